@@ -1,0 +1,330 @@
+"""Typed run configuration: YAML -> dataclasses, CLI overrides, validation that lists every error.
+
+`load_config(path, argv)` reads the YAML, applies `--tp/--pp/--cp/--vpp` and dotted flags such as
+`--rollout.n 8`, and validates everything at once before any process group or file is touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found; str() gives one line per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(f"config error: {e}" for e in self.errors))
+
+
+@dataclass
+class TinyModelConfig:
+    """Make a random tiny HF model (tests, embedded default) instead of reading `model.path`."""
+    family: str = "qwen2"
+    vocab_size: int = 300
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 256
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF folder (config.json, safetensors, tokenizer)
+    tiny: Optional[TinyModelConfig] = None  # if set, a tiny model is written to `path` when it is missing
+    make_vocab_size_divisible_by: int = 128
+    params_dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual pipeline chunks per PP rank
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False  # sequence parallelism (needs tp > 1)
+    batch_p2p_comm: Optional[bool] = None  # None: False on gloo (True is silently wrong at PP2xVPP2), True on nccl
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # hf | vllm | remote
+    n: int = 4  # samples per prompt (group size)
+    prompts_per_step: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 32
+    engine_on: str = "rank0"  # which ranks own an engine: rank0 (others wait and receive samples)
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus
+    scale_rewards: str = "group"  # group | batch | none
+    policy_loss: str = "ppo_clip"
+    aggregation: str = "token-mean"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    kl_coef: float = 0.0
+
+
+@dataclass
+class RewardConfig:
+    funcs: list = field(default_factory=lambda: ["token_fraction"])
+    weights: Optional[list] = None
+    kwargs: dict = field(default_factory=dict)  # passed to every reward function by name
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # local .jsonl with a `prompt` (string) or `messages` (chat list) column
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    apply_chat_template: bool = True
+    shuffle: bool = True
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4  # samples per micro-batch on each DP rank
+    use_distributed_optimizer: bool = False
+    seed: int = 1234
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = ""
+    save_interval: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs/run"
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SHORT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--cp": "parallel.cp", "--vpp": "parallel.vpp",
+               "--ep": "parallel.ep", "--sp": "parallel.sp"}
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
+
+
+def _dataclass_type(tp):
+    """The dataclass inside Optional[X], or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _coerce(value: Any, tp, where: str, errors: list[str]):
+    base = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    if value is None:
+        if type(None) in typing.get_args(tp):
+            return None
+        errors.append(f"{where}: null is not allowed; give a value")
+        return None
+    target = base[0]
+    origin = typing.get_origin(target) or target
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+    elif origin is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif origin is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif origin is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (list, dict):
+        if isinstance(value, origin):
+            return value
+    else:
+        return value
+    errors.append(f"{where}: expected {getattr(origin, '__name__', origin)}, got {value!r}")
+    return None
+
+
+def _build(cls, data: dict, where: str, errors: list[str]):
+    if not isinstance(data, dict):
+        errors.append(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            errors.append(f"unknown key '{path}'{_suggest(str(key), names)}")
+            continue
+        sub = _dataclass_type(hints[key])
+        if sub is not None and value is not None:
+            kwargs[key] = _build(sub, value, path, errors)
+        else:
+            kwargs[key] = _coerce(value, hints[key], path, errors)
+    return cls(**kwargs)
+
+
+def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
+    """`--config f.yaml --tp 2 --rollout.n 8` -> ('f.yaml', {'parallel': {'tp': 2}, 'rollout': {'n': 8}})."""
+    config_path, nested, errors = None, {}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            errors.append(f"unexpected argument {arg!r}; flags look like --tp 2 or --rollout.n 8")
+            i += 1
+            continue
+        key, eq, inline = arg.partition("=")
+        i += 1
+        if not eq:
+            if i < len(argv) and not argv[i].startswith("--"):
+                inline, i = argv[i], i + 1
+            else:
+                inline = "true"  # a bare flag is a boolean switch: --sp
+        if key == "--config":
+            config_path = inline
+            continue
+        dotted = SHORT_FLAGS.get(key, key[2:])
+        if "." not in dotted:
+            errors.append(f"unknown flag {key}; use --tp/--pp/--cp/--vpp/--ep/--sp or a dotted --section.key")
+            continue
+        node = nested
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(inline)
+    if errors:
+        raise ConfigError(errors)
+    return config_path, nested
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def validate(cfg: Config) -> list[str]:
+    """Checks that need no model and no process group."""
+    e = []
+    p, r, a, t = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.train
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            e.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.vpp is not None and p.vpp < 1:
+        e.append(f"parallel.vpp={p.vpp} must be >= 1 or null")
+    if p.vpp and p.vpp > 1 and p.pp < 2:
+        e.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2; set --pp or drop --vpp")
+    if p.sp and p.tp < 2:
+        e.append("parallel.sp=true needs parallel.tp >= 2; set --tp 2 or --sp false")
+    if not cfg.model.path:
+        e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
+    if cfg.model.params_dtype not in ("float32", "bfloat16"):
+        e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
+    if r.engine not in ("hf", "vllm", "remote"):
+        e.append(f"rollout.engine={r.engine!r}; use one of hf, vllm, remote")
+    for name in ("n", "prompts_per_step", "max_tokens"):
+        if getattr(r, name) < 1:
+            e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
+    if r.temperature <= 0:
+        e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
+    if a.scale_rewards not in ("group", "batch", "none"):
+        e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch or none")
+    if t.steps < 1 or t.micro_batch_size < 1:
+        e.append("train.steps and train.micro_batch_size must be >= 1")
+    if not cfg.data.path:
+        e.append("data.path is empty; give a local .jsonl file")
+    elif not os.path.isfile(cfg.data.path):
+        e.append(f"data.path={cfg.data.path!r}: file not found; check the path (relative paths are from the "
+                 f"current directory {os.getcwd()})")
+    return e
+
+
+def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> list[str]:
+    """Checks that need the HF config.json and the world size, still before any process group."""
+    e = []
+    p = cfg.parallel
+    if model_info.num_attention_heads % p.tp:
+        e.append(f"parallel.tp={p.tp} does not divide num_attention_heads={model_info.num_attention_heads}; "
+                 f"choose a tp that divides it")
+    if model_info.num_key_value_heads % p.tp:
+        e.append(f"parallel.tp={p.tp} does not divide num_key_value_heads={model_info.num_key_value_heads}; "
+                 f"choose a tp that divides it")
+    chunks = p.pp * (p.vpp or 1)
+    if model_info.num_hidden_layers % chunks:
+        e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
+                 f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it")
+    mp = p.tp * p.pp * p.cp
+    if world_size % mp:
+        e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
+                 f"processes or change the layout")
+    elif cfg.rollout.prompts_per_step * cfg.rollout.n % (world_size // mp):
+        e.append(f"rollout.prompts_per_step x rollout.n = {cfg.rollout.prompts_per_step * cfg.rollout.n} is not "
+                 f"divisible by data-parallel size {world_size // mp}; change prompts_per_step or n")
+    if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
+        e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
+                 ".cuda() on the shared embedding); use pp=1 or an untied model")
+    return e
+
+
+def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, check_files: bool = True) -> Config:
+    """YAML + flags -> validated Config. Raises ConfigError listing every problem."""
+    flag_path, overrides = parse_overrides(list(argv or []))
+    path = flag_path or path
+    data: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError([f"--config {path!r}: file not found"])
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError([f"{path}: invalid YAML ({exc})"]) from None
+    errors: list[str] = []
+    cfg = _build(Config, _merge(data, overrides), "", errors)
+    if not errors:
+        errors += validate(cfg) if check_files else [x for x in validate(cfg) if not x.startswith("data.path")]
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

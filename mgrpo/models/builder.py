@@ -1,0 +1,131 @@
+"""HF config -> megatron TransformerConfig + layer spec -> this rank's GPTModel chunks."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from mgrpo.models.hf_config import ModelInfo, read_model_info
+from mgrpo.models.registry import get_family
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def have_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32", **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    family = get_family(info.family)
+    dtype = _DTYPES[params_dtype]
+    kwargs = dict(
+        num_layers=info.num_hidden_layers, hidden_size=info.hidden_size, ffn_hidden_size=info.intermediate_size,
+        num_attention_heads=info.num_attention_heads, num_query_groups=info.num_key_value_heads,
+        kv_channels=info.head_dim, layernorm_epsilon=info.rms_norm_eps, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=info.attention_bias,
+        qk_layernorm=family.qk_layernorm, attention_dropout=0.0, hidden_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp, sequence_parallel=bool(parallel.sp),
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True, init_method_std=0.02,
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        batch_p2p_comm=(torch.cuda.is_available() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config, use_te: Optional[bool] = None):
+    """TE spec where TransformerEngine imports (GPU); local spec with SP-capable RMSNorm otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = have_transformer_engine()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    from mgrpo.models.norm import QKRMSNorm, SPRMSNorm
+
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = SPRMSNorm
+    sub.pre_mlp_layernorm = SPRMSNorm
+    if config.qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = QKRMSNorm
+        sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    return spec
+
+
+def llama3_inv_freq(rope, head_dim: int) -> torch.Tensor:
+    """Llama-3.1 frequency scaling with the config's own factors (megatron hard-codes them)."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _block_spec(config, spec, vp_stage):
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if have_transformer_engine():
+        return spec  # TE's spec brings its own final norm
+    from mgrpo.models.norm import SPRMSNorm
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=SPRMSNorm)
+
+
+def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "float32",
+                make_vocab_size_divisible_by: int = 128, config_overrides: Optional[dict] = None,
+                seed: int = 1234) -> list:
+    """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    info = read_model_info(model) if isinstance(model, str) else model
+    config = transformer_config(info, parallel, params_dtype, **(config_overrides or {}))
+    spec = layer_spec(config)
+    vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
+    vocab = padded_vocab_size(info.vocab_size, make_vocab_size_divisible_by, parallel.tp)
+    torch.manual_seed(seed + mpu.get_pipeline_model_parallel_rank())
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config, transformer_layer_spec=_block_spec(config, spec, stage), vocab_size=vocab,
+            max_sequence_length=info.max_position_embeddings,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True, share_embeddings_and_output_weights=info.tie_word_embeddings,
+            position_embedding_type="rope", rotary_base=info.rope.theta, vp_stage=stage)
+        if info.rope.kind == "llama3" and getattr(chunk, "rotary_pos_emb", None) is not None:
+            chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(info.rope, info.head_dim).to(
+                chunk.rotary_pos_emb.inv_freq.device)
+        chunk.mgrpo_info = info  # the HF facts export/load need (vocab size, family)
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,40 @@
+"""Model families by HF architecture name; each family lives in its own small file."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple
+    default_qkv_bias: bool  # Qwen2 has q/k/v biases without saying so in config.json
+    qk_layernorm: bool  # Qwen3 normalises q and k per head
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> Family:
+    _load_builtin()
+    return _FAMILIES[name]
+
+
+def family_for_architecture(arch: str, where: str = "config.json") -> Family:
+    from mgrpo.models.hf_config import ModelConfigError
+
+    _load_builtin()
+    for fam in _FAMILIES.values():
+        if arch in fam.architectures:
+            return fam
+    known = sorted(a for f in _FAMILIES.values() for a in f.architectures)
+    raise ModelConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(known)}")
+
+
+def _load_builtin() -> None:
+    from mgrpo.models import llama, qwen2, qwen3  # noqa: F401  (each registers itself)

@@ -1,0 +1,78 @@
+"""Start torch.distributed from torchrun or Slurm variables (nccl with CUDA, gloo without)."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist such as 'node[003-005,7],gpu1' -> 'node003'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_dist_env(environ=None) -> DistEnv:
+    """torchrun variables win; else Slurm's; else a single local process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
+        port = int(env.get("MASTER_PORT", 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                       addr, port, "slurm")
+    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or free_port(), "single")
+
+
+def world_size_from_env(environ=None) -> int:
+    return read_dist_env(environ).world_size
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> DistEnv:
+    """Initialise the default process group once; returns the environment it used."""
+    denv = read_dist_env()
+    if dist.is_initialized():
+        return denv
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(denv.local_rank)
+    else:
+        from mgrpo.parallel.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    os.environ.update(MASTER_ADDR=denv.master_addr, MASTER_PORT=str(denv.master_port),
+                      RANK=str(denv.rank), WORLD_SIZE=str(denv.world_size), LOCAL_RANK=str(denv.local_rank))
+    from datetime import timedelta
+
+    dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size,
+                            timeout=timedelta(minutes=timeout_minutes))
+    return denv

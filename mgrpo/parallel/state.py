@@ -1,0 +1,27 @@
+"""Megatron `parallel_state` set-up from our ParallelConfig."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+
+
+def setup_model_parallel(parallel, seed: int = 1234) -> None:
+    """Create TP/PP/VPP/CP/EP/DP groups (idempotent) and seed the model-parallel RNG."""
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        create_gloo_process_groups=not torch.cuda.is_available() or dist.get_backend() == "gloo",
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown_model_parallel() -> None:
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()

