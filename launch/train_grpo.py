@@ -1,0 +1,80 @@
+"""Train a policy with GRPO.
+
+    python launch/train_grpo.py --config examples/tiny_cpu.yaml
+    torchrun --nproc-per-node 4 launch/train_grpo.py --config examples/tiny_cpu.yaml --tp 2 --pp 2
+
+Every config, model and dataset error is reported (one line each) before any process group starts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mgrpo.config import ConfigError, load_config, validate_layout  # noqa: E402
+from mgrpo.data.dataset import DatasetError, read_prompt_rows  # noqa: E402
+from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
+from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
+
+
+def prepare_tiny_model(cfg, rank: int) -> None:
+    """Rank 0 writes the embedded tiny model once (atomically); other ranks wait for it."""
+    path = cfg.model.path
+    if cfg.model.tiny is None or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if rank == 0:
+        from dataclasses import asdict
+
+        from mgrpo.models.tiny import make_tiny_hf
+
+        t = asdict(cfg.model.tiny)
+        make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
+                     num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
+                     ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"], seed=t["seed"])
+        return
+    deadline = time.time() + 300
+    while not os.path.isfile(os.path.join(path, "config.json")):
+        if time.time() > deadline:
+            raise ModelConfigError(f"{path}: rank 0 did not finish writing the tiny model within 300 s")
+        time.sleep(0.5)
+
+
+def check(argv: list):
+    """Everything that can be wrong before a process group exists; raises with every problem."""
+    import torch
+
+    cfg = load_config(argv=argv)
+    denv = read_dist_env()
+    prepare_tiny_model(cfg, denv.rank)
+    errors = validate_layout(cfg, read_model_info(cfg.model.path), denv.world_size, torch.cuda.is_available())
+    read_prompt_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.messages_key)
+    if errors:
+        raise ConfigError(errors)
+    return cfg, denv
+
+
+def main(argv: list) -> int:
+    try:
+        cfg, denv = check(argv)
+    except (ConfigError, ModelConfigError, DatasetError) as exc:
+        if read_dist_env().rank == 0:
+            lines = str(exc).splitlines()
+            print("\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
+                  file=sys.stderr)
+        return 2
+    from mgrpo.trainer import GRPOTrainer
+
+    history = GRPOTrainer(cfg).fit()
+    if denv.rank == 0 and history:
+        k = min(5, len(history))
+        first = sum(h["reward_mean"] for h in history[:k]) / k
+        last = sum(h["reward_mean"] for h in history[-k:]) / k
+        print(f"reward_mean first{k}={first:.4f} last{k}={last:.4f} "
+              f"metrics={os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""Samples -> padded micro-batches of next-token targets, masks and per-token advantages."""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
+    if len(items) % dp_size:
+        raise ValueError(f"{len(items)} samples are not divisible by data-parallel size {dp_size}")
+    n = len(items) // dp_size
+    return items[dp_rank * n: (dp_rank + 1) * n]
+
+
+def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
+                      pad_to_multiple: int = 1) -> list:
+    """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
+    loss_mask [b, L] aligned with the logits, advantages [b, L], and `sample_index` into `samples`."""
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        group = samples[start: start + micro_batch_size]
+        seqs = [s.prompt_ids + s.response_ids for s in group]
+        length = max(len(x) for x in seqs)
+        length = -(-length // pad_to_multiple) * pad_to_multiple
+        b = len(group)
+        ids = torch.full((b, length), pad_id, dtype=torch.long)
+        targets = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros(b, length)
+        adv = torch.zeros(b, length)
+        for i, (s, seq) in enumerate(zip(group, seqs)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            p = len(s.prompt_ids)
+            for j, (tok, m) in enumerate(zip(s.response_ids, s.loss_mask)):
+                if m:  # logits at position p + j - 1 predict response token j
+                    targets[i, p + j - 1] = tok
+                    mask[i, p + j - 1] = 1.0
+            if advantages is not None:
+                adv[i] = float(advantages[start + i])
+        out.append({
+            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask,
+            "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
+            "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
+            "sample_index": list(range(start, start + b)),
+        })
+    return out

@@ -1,0 +1,41 @@
+"""Registries of pure functions, one signature per kind (verl style).
+
+- policy losses: fn(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None)
+  -> (per_token_loss, metrics); aggregation over tokens is separate (see aggregation.py).
+- advantages: fn(rewards [N], group_ids [N], cfg) -> [N]
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+_POLICY: dict[str, Callable] = {}
+_ADVANTAGE: dict[str, Callable] = {}
+
+
+def _register(table, kind):
+    def outer(name: str):
+        def deco(fn):
+            table[name] = fn
+            return fn
+        return deco
+    return outer
+
+
+register_policy_loss = _register(_POLICY, "policy loss")
+register_advantage = _register(_ADVANTAGE, "advantage")
+
+
+def _get(table, kind, name):
+    from mgrpo.loss import advantages, policy  # noqa: F401  (built-ins register on import)
+
+    if name not in table:
+        raise KeyError(f"{kind} {name!r} is not registered; known: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def policy_loss(name: str) -> Callable:
+    return _get(_POLICY, "policy loss", name)
+
+
+def advantages(name: str) -> Callable:
+    return _get(_ADVANTAGE, "advantage", name)

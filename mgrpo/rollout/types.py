@@ -1,0 +1,45 @@
+"""The currency between rollout and trainer: one `Sample` per trajectory, token ids in and out."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 32
+    seed: Optional[int] = None
+
+
+@dataclass
+class Sample:
+    prompt_ids: list
+    response_ids: list = field(default_factory=list)  # flat, all turns
+    loss_mask: list = field(default_factory=list)  # same length; 0 for tokens the environment wrote
+    rollout_logprobs: Optional[list] = None  # log_softmax(logits / T) of each response token, or None
+    reward: Optional[float] = None
+    group_id: int = 0
+    weight_version: int = 0
+    finish_reason: str = ""  # stop | length | abort
+    messages: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # JSON-serialisable extras (dataset columns, per-reward scores)
+
+    def __post_init__(self):
+        if len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.response_ids)} response "
+                             f"tokens; they must have the same length")
+        if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
+            raise ValueError("rollout_logprobs must be None or as long as response_ids")
+
+
+def samples_to_bytes(samples: list) -> bytes:
+    """JSON, never pickle: samples cross process (and later network) boundaries."""
+    return json.dumps([asdict(s) for s in samples]).encode()
+
+
+def samples_from_bytes(data: bytes) -> list:
+    return [Sample(**d) for d in json.loads(data.decode())]
