@@ -41,7 +41,7 @@ class Actor:
         no_sync = [c.no_sync for c in self.chunks]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
-                                  adam_beta1=0.9, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
+                                  adam_beta1=0.9, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
                                   bf16=self.cfg.model.params_dtype == "bfloat16",
                                   params_dtype=self.config.params_dtype,
                                   use_distributed_optimizer=t.use_distributed_optimizer)
@@ -66,8 +66,8 @@ class Actor:
         stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=True)
         return [s["logp"] for s in stats]
 
-    def train_step(self, microbatches: list, global_tokens: int) -> dict:
-        """One optimizer step over all micro-batches; returns metrics averaged over tokens (last stage)."""
+    def forward_backward(self, microbatches: list, global_tokens: int) -> list:
+        """Gradients of the global token-mean loss into the DDP grad buffers (`param.main_grad`)."""
         for c in self.chunks:
             c.train()
             c.zero_grad_buffer()
@@ -84,14 +84,18 @@ class Actor:
             stats.update(loss_sum=per_token.detach().sum(), tokens=tokens)
             return per_token.sum() * scale, stats
 
-        stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=False)
+        return forward_backward(self.chunks, microbatches, loss_fn, forward_only=False)
+
+    def train_step(self, microbatches: list, global_tokens: int) -> dict:
+        """One optimizer step over all micro-batches; returns metrics averaged over tokens (last stage)."""
+        stats = self.forward_backward(microbatches, global_tokens)
         ok, grad_norm, _ = self.optimizer.step()
         out = {"grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:
                 if k != "tokens":
-                    out[k] = sum(float(s[k]) for s in stats) / max(tokens, 1)
+                    out["loss" if k == "loss_sum" else k] = sum(float(s[k]) for s in stats) / max(tokens, 1)
             out["tokens"] = tokens
         return out
 

@@ -100,6 +100,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     micro_batch_size: int = 4  # samples per micro-batch on each DP rank
     use_distributed_optimizer: bool = False
@@ -168,6 +169,11 @@ def _coerce(value: Any, tp, where: str, errors: list[str]):
     elif origin is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif origin is str:
         if isinstance(value, str):
             return value
@@ -281,12 +287,10 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
     """Checks that need the HF config.json and the world size, still before any process group."""
     e = []
     p = cfg.parallel
-    if model_info.num_attention_heads % p.tp:
-        e.append(f"parallel.tp={p.tp} does not divide num_attention_heads={model_info.num_attention_heads}; "
-                 f"choose a tp that divides it")
-    if model_info.num_key_value_heads % p.tp:
-        e.append(f"parallel.tp={p.tp} does not divide num_key_value_heads={model_info.num_key_value_heads}; "
-                 f"choose a tp that divides it")
+    bad = [f"{k}={v}" for k, v in (("num_attention_heads", model_info.num_attention_heads),
+                                    ("num_key_value_heads", model_info.num_key_value_heads)) if v % p.tp]
+    if bad:
+        e.append(f"parallel.tp={p.tp} does not divide {' and '.join(bad)}; choose a tp that divides both")
     chunks = p.pp * (p.vpp or 1)
     if model_info.num_hidden_layers % chunks:
         e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="

@@ -88,7 +88,8 @@ class GRPOTrainer:
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         local = dp_shard(list(range(len(samples))), dp_rank, dp_size)
         mbs = make_microbatches([samples[i] for i in local], self.cfg.train.micro_batch_size,
-                                self.tokenizer.pad_token_id, [adv[i] for i in local], self.pad_multiple)
+                                self.tokenizer.pad_token_id, [adv[i] for i in local], self.pad_multiple,
+                                same_length=self.cfg.parallel.pp > 1)
         old = self.actor.logprobs(mbs)
         for i, mb in enumerate(mbs):
             mb["old_logp"] = old[i] if old else torch.zeros_like(mb["loss_mask"])
@@ -97,7 +98,7 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.sync_weights()
         t3 = time.perf_counter()
-        metrics = reduce_last_stage(train, ["loss_sum", "clip_frac", "approx_kl"])
+        metrics = reduce_last_stage(train, ["loss", "clip_frac", "approx_kl"])
         n_tokens = sum(len(s.response_ids) for s in samples)
         metrics.update(reward_mean=float(rewards.nanmean()), reward_std=float(rewards[~rewards.isnan()].std()),
                        response_len=n_tokens / len(samples), grad_norm=train["grad_norm"],

@@ -14,20 +14,26 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
-                      pad_to_multiple: int = 1) -> list:
+                      pad_to_multiple: int = 1, same_length: bool = False) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
-    loss_mask [b, L] aligned with the logits, advantages [b, L], and `sample_index` into `samples`."""
+    loss_mask [b, L] aligned with the logits, advantages and rollout_logp [b, L], and `sample_index`.
+
+    `same_length` pads every micro-batch to the longest one: megatron's pipeline p2p on gloo mis-pairs the
+    shape exchange of variable-length micro-batches under the interleaved schedule, so PP > 1 uses it.
+    """
     out = []
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     for start in range(0, len(samples), micro_batch_size):
         group = samples[start: start + micro_batch_size]
         seqs = [s.prompt_ids + s.response_ids for s in group]
-        length = max(len(x) for x in seqs)
+        length = longest if same_length else max(len(x) for x in seqs)
         length = -(-length // pad_to_multiple) * pad_to_multiple
         b = len(group)
         ids = torch.full((b, length), pad_id, dtype=torch.long)
         targets = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros(b, length)
         adv = torch.zeros(b, length)
+        rollout_logp = torch.zeros(b, length)
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
             p = len(s.prompt_ids)
@@ -35,10 +41,12 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
                 if m:  # logits at position p + j - 1 predict response token j
                     targets[i, p + j - 1] = tok
                     mask[i, p + j - 1] = 1.0
+                    if s.rollout_logprobs is not None:
+                        rollout_logp[i, p + j - 1] = s.rollout_logprobs[j]
             if advantages is not None:
                 adv[i] = float(advantages[start + i])
         out.append({
-            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask,
+            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask, "rollout_logp": rollout_logp,
             "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
             "sample_index": list(range(start, start + b)),

@@ -48,7 +48,7 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp, sequence_parallel=bool(parallel.sp),
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True, init_method_std=0.02,
-        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        variable_seq_lengths=False,  # PP micro-batches share one length (see data/microbatch.py)
         batch_p2p_comm=(torch.cuda.is_available() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
     kwargs.update(overrides)

@@ -25,7 +25,11 @@ def _coords() -> torch.Tensor:
     return torch.stack(out)
 
 
-def _stage_tensors(model_chunks):
+def full_hf_tensors(model_chunks, select=None):
+    """(hf_name, full tensor) for this PP stage's parameters, gathered over TP (every TP rank must call).
+
+    `select(param)` picks what to gather: the value by default, e.g. `lambda p: p.main_grad` for gradients.
+    """
     tp_group = mpu.get_tensor_model_parallel_group()
     for chunk in model_chunks:
         model = unwrap(chunk)
@@ -33,7 +37,7 @@ def _stage_tensors(model_chunks):
         for name, param, mapping in chunk_mappings(model):
             if name == "output_layer.weight" and tied_output:
                 continue  # same tensor as embed_tokens
-            yield from mapping.gather(param.detach(), tp_group).items()
+            yield from mapping.gather((select or (lambda p: p.detach()))(param), tp_group).items()
 
 
 def _send(tensors: list, dst: int):
@@ -73,7 +77,7 @@ def export_hf(model_chunks: list, dst: int = 0):
         src = next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
         in_stage = coords[me, 0] == stage and coords[me, 2] == 0 and coords[me, 3] == 0
         if in_stage:
-            tensors = list(_stage_tensors(model_chunks))
+            tensors = list(full_hf_tensors(model_chunks))
             if me == src and src == dst:
                 yield from tensors
             elif me == src:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run the test suite (CPU). Extra arguments go to pytest. pytest's exit 5 (no tests ran) is a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+[ -x "$PY" ] || { echo "error: .venv missing; run: bash scripts/setup.sh" >&2; exit 2; }
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 "${@:-tests}"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "error: pytest collected no tests (exit 5)" >&2
+  exit 1
+fi
+exit "$rc"

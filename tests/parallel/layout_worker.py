@@ -1,0 +1,79 @@
+"""torchrun worker: run several layouts in one launch (a launch costs 7-11 s here) and save results."""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from mgrpo.config import load_config  # noqa: E402
+from mgrpo.parallel.distributed import init_distributed  # noqa: E402
+from mgrpo.parallel.layout_check import run_layout  # noqa: E402
+from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
+
+GLOBAL_BATCH, MICRO_BATCHES = 8, 4
+
+
+def layout_args(spec: str) -> list:
+    """'tp2-pp2-vpp2-sp-distopt-p2pbatch' -> config flags."""
+    args = []
+    for part in spec.split("-"):
+        if part == "sp":
+            args += ["--parallel.sp", "true"]
+        elif part == "distopt":
+            args += ["--train.use_distributed_optimizer", "true"]
+        elif part == "p2pbatch":
+            args += ["--parallel.batch_p2p_comm", "true"]
+        elif part.startswith("wrongshard") or part.startswith("dp"):
+            continue  # DP is what the world size leaves over
+        else:
+            name = part.rstrip("0123456789")
+            args += [f"--parallel.{name}", part[len(name):]]
+    return args
+
+
+def swap_proj_shards(actor):
+    """Negative control: every TP rank holds another rank's shard of layer 0's attention output projection."""
+    from megatron.core import parallel_state as mpu
+
+    from mgrpo.parallel.pipeline import unwrap
+
+    model = unwrap(actor.chunks[0])
+    if not model.pre_process:
+        return
+    w = model.decoder.layers[0].self_attention.linear_proj.weight
+    group = mpu.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, w.detach().contiguous(), group=group)
+    with torch.no_grad():
+        w.copy_(parts[(mpu.get_tensor_model_parallel_rank() + 1) % len(parts)])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--samples", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", required=True, help="comma-separated, e.g. tp2,tp2-sp,pp2-vpp2")
+    args = ap.parse_args()
+    init_distributed()
+    with open(args.samples, "rb") as f:
+        samples = samples_from_bytes(f.read())
+    for spec in args.layouts.split(","):
+        flags = layout_args(spec)
+        cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples, *flags,
+                                "--train.lr", "0.01", "--train.adam_eps", "0.001"], check_files=False)
+        world = dist.get_world_size()
+        dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+        cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES
+        corrupt = swap_proj_shards if "wrongshard" in spec else None
+        run_layout(cfg, args.model, samples, args.out, spec, corrupt=corrupt)
+        if dist.get_rank() == 0:
+            print(f"layout {spec} done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Config loading, flag overrides, and validation that lists every error with the field and the fix."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mgrpo.config import ConfigError, load_config, parse_overrides, validate_layout
+from mgrpo.models.hf_config import ModelConfigError, read_model_info
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(ROOT, "launch", "train_grpo.py")
+
+
+def write_yaml(tmp_path, data, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    return str(p)
+
+
+def test_yaml_and_flags(tmp_path, data_file):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}, "rollout": {"n": 2}})
+    cfg = load_config(argv=["--config", path, "--tp", "2", "--pp", "2", "--vpp", "2", "--rollout.n", "8",
+                            "--algorithm.epsilon_high=0.28", "--sp"])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.sp) == (2, 2, 2, True)
+    assert cfg.rollout.n == 8 and cfg.algorithm.epsilon_high == 0.28
+
+
+def test_unknown_keys_suggest_and_all_errors_listed(tmp_path, data_file):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file},
+                                 "rollout": {"temprature": 0.7}, "paralel": {"tp": 2}})
+    with pytest.raises(ConfigError) as e:
+        load_config(argv=["--config", path, "--rollout.n", "two"])
+    msg = str(e.value)
+    assert "unknown key 'rollout.temprature'; did you mean 'temperature'?" in msg
+    assert "unknown key 'paralel'; did you mean 'parallel'?" in msg
+    assert "rollout.n: expected int" in msg
+    assert len(e.value.errors) == 3
+
+
+def test_overrides_parse():
+    assert parse_overrides(["--config", "x.yaml", "--cp", "2", "--rollout.n", "8"]) == (
+        "x.yaml", {"parallel": {"cp": 2}, "rollout": {"n": 8}})
+    assert load_config(argv=["--train.lr", "1e-5", "--model.path", "m"], check_files=False).train.lr == 1e-5
+    with pytest.raises(ConfigError, match="unknown flag --bogus"):
+        parse_overrides(["--bogus", "1"])
+
+
+def _info(tiny_dirs, **kw):
+    return read_model_info(tiny_dirs("cfg_" + "_".join(f"{k}{v}" for k, v in sorted(kw.items())), **kw))
+
+
+def test_layout_checks(tiny_dirs, data_file, tmp_path):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    info = _info(tiny_dirs, family="qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = load_config(argv=["--config", path, "--tp", "8", "--pp", "2", "--vpp", "2"])
+    errs = validate_layout(cfg, info, world_size=12, cuda=False)
+    text = "\n".join(errs)
+    assert "parallel.tp=8 does not divide num_attention_heads=4" in text
+    assert "parallel.pp x parallel.vpp = 4 does not divide num_hidden_layers=2" in text
+    assert "world size 12 is not divisible by tp x pp x cp = 16" in text
+    tied = _info(tiny_dirs, family="qwen2", num_layers=2, tie_word_embeddings=True)
+    cfg = load_config(argv=["--config", path, "--pp", "2"])
+    assert any("tie_word_embeddings=true is not supported on CPU" in e for e in validate_layout(cfg, tied, 2, False))
+    assert not validate_layout(cfg, tied, 2, cuda=True)
+    cfg = load_config(argv=["--config", path, "--rollout.prompts_per_step", "3", "--rollout.n", "1"])
+    assert any("not divisible by data-parallel size 2" in e for e in validate_layout(cfg, info, 2, False))
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        read_model_info(str(tmp_path))
+
+
+def run_launch(args, world_size=1):
+    """The launcher as torchrun's rank 0 would start it; validation fails before any group is created."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")
+    return subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("case", ["tp_heads", "pp_layers", "world", "arch", "tied_pp", "yaml_key", "missing_data",
+                                  "row_without_prompt", "dp_divisible"])
+def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dirs):
+    model = tiny_dirs("launch_qwen2", family="qwen2", num_layers=2)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    base = {"model": {"path": model}, "data": {"path": str(data)}, "logging": {"output_dir": str(tmp_path / "o")}}
+    args, world = [], 1
+    if case == "tp_heads":
+        args, world, expect = ["--tp", "3"], 3, "parallel.tp=3 does not divide num_attention_heads=4"
+    elif case == "pp_layers":
+        args, world, expect = ["--pp", "4"], 4, "parallel.pp x parallel.vpp = 4 does not divide num_hidden_layers=2"
+    elif case == "world":
+        args, expect = ["--tp", "2"], "world size 1 is not divisible by tp x pp x cp = 2"
+    elif case == "arch":
+        bad = tmp_path / "bad_model"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+        base["model"]["path"] = str(bad)
+        expect = "architecture 'BertModel' is not supported"
+    elif case == "tied_pp":
+        base["model"]["path"] = tiny_dirs("launch_tied", family="qwen2", num_layers=2, tie_word_embeddings=True)
+        args, world, expect = ["--pp", "2"], 2, "tie_word_embeddings=true is not supported on CPU"
+    elif case == "yaml_key":
+        base["rollout"] = {"max_token": 8}
+        expect = "unknown key 'rollout.max_token'; did you mean 'max_tokens'?"
+    elif case == "missing_data":
+        base["data"]["path"] = str(tmp_path / "nope.jsonl")
+        expect = "nope.jsonl': file not found"
+    elif case == "row_without_prompt":
+        data.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "x"}) + "\n")
+        expect = "row 1 has no prompt"
+    elif case == "dp_divisible":
+        args, world = ["--rollout.prompts_per_step", "3", "--rollout.n", "1"], 2
+        expect = "rollout.prompts_per_step x rollout.n = 3 is not divisible by data-parallel size 2"
+    r = run_launch(["--config", write_yaml(tmp_path, base), *args], world)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got: {lines}"
+    assert expect in lines[0], lines[0]
+    assert not (tmp_path / "o").exists(), "nothing is written before validation passes"
