@@ -64,7 +64,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 32
-    engine_on: str = "rank0"  # which ranks own an engine: rank0 (others wait and receive samples)
+    update_bucket_mb: int = 256  # weight-sync bucket size
 
 
 @dataclass

@@ -18,6 +18,7 @@ from mgrpo.logging import RunLogger
 from mgrpo.loss.registry import advantages
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
+from mgrpo.resharding.bucket import make_buckets
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
 from mgrpo.rollout.engine import make_engine
@@ -71,9 +72,10 @@ class GRPOTrainer:
 
     def sync_weights(self) -> None:
         self.version += 1
-        tensors = export_hf(self.actor.models(), dst=0)
+        tensors = export_hf(self.actor.models(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
         if self.engine is not None:
-            self.engine.update_weights(tensors, self.version)
+            buckets = make_buckets(tensors, self.cfg.rollout.update_bucket_mb << 20, self.version, checksum=False)
+            self.engine.update_weights(buckets, self.version)
         else:
             for _ in tensors:
                 pass

@@ -50,3 +50,11 @@ def tiny_dirs(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def layout_results(single_rank, tiny_dirs, tmp_path_factory):
+    """Every multi-process layout run, once per session (see tests/layout_launch.py)."""
+    from layout_launch import run_all_launches
+
+    return run_all_launches(tiny_dirs, tmp_path_factory)

@@ -1,33 +1,150 @@
-"""Outcome advantages from per-sample rewards and group ids."""
+"""Outcome advantages from per-sample rewards and group ids: ``fn(rewards [N], group_ids [N], cfg) -> [N]`` float32.
+
+Estimators (ms-swift ``advantage_estimator``; walkthrough in ``shared/seeds``, lines 1038-1043, ms-swift
+``_compute_advantages`` L481-575):
+
+- ``grpo``: ``A_i = r_i - mean_g(r)``.
+- ``rloo``: leave-one-out baseline, ``A_i = r_i - mean_{j != i, j in g}(r_j) = (r_i - mean_g(r)) * K / (K - 1)``
+  with ``K`` the number of valid members of the group.
+- ``reinforce_plus_plus``: the outcome-only REINFORCE++-baseline variant (as ms-swift implements it): the same group
+  baseline as ``grpo``, ``A_i = r_i - mean_g(r)``, but the scale is the std of the *advantages* (not of the raw
+  rewards): with ``scale_rewards='batch'`` (its default) that is ``A / (std_batch(A) + eps)``, i.e. batch-whitened
+  group-centred rewards (``mean_batch(A)`` is exactly 0 because every group's centred rewards sum to 0, so nothing
+  is subtracted). With ``'group'`` the group std of ``A`` equals the group std of ``r``; ``'none'`` leaves ``A``.
+
+Scaling (``cfg.scale_rewards``): ``group`` divides by the group's std of rewards, ``batch`` by the std of all valid
+rewards of the batch (``reinforce_plus_plus``: std of all valid advantages), ``none`` does not scale; ``None`` (or the
+attribute missing) picks the estimator's ms-swift default from ``DEFAULT_SCALE_REWARDS``. Stds are unbiased (``n-1``,
+like ``torch.std``) and the divisor is ``std + STD_EPS`` with ``STD_EPS = 1e-4`` as in ms-swift.
+
+Invalid rewards (NaN or +-inf) get advantage 0 and are left out of every statistic (group means, stds, counts, batch
+std). ``valid_mask(rewards)`` tells the caller which samples those are, so it can zero their loss mask: an advantage
+of 0 alone still leaves them in the token counts of the aggregation. A group with a single valid member gets
+advantage 0 (there is no baseline), never NaN; a group whose rewards are all equal gets 0 as well.
+
+Statistics are computed in float64 over the whole (global) batch the caller passes; the result is float32.
+"""
 from __future__ import annotations
 
 import torch
 
 from mgrpo.loss.registry import register_advantage
 
+STD_EPS = 1e-4  # ms-swift: advantages / (std + 1e-4)
+
+# ms-swift binds the default of scale_rewards to the estimator (used when cfg.scale_rewards is None).
+DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def valid_mask(rewards) -> torch.Tensor:
+    """bool [N]: True where the reward is finite. Invalid samples get advantage 0 and should get loss mask 0."""
+    return torch.isfinite(torch.as_tensor(rewards, dtype=torch.float64))
+
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
-    """Per-sample mean and (unbiased) std of its group, over the non-NaN members only."""
-    valid = ~torch.isnan(rewards)
+    """Per-sample (mean, unbiased std, valid count) of its group over the valid members only, plus the valid mask.
+
+    The std of a group with fewer than 2 valid members is 0.
+    """
+    valid = valid_mask(rewards)
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
+    w = valid.to(r.dtype)
     uniq, inv = torch.unique(group_ids, return_inverse=True)
-    count = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, valid.to(r.dtype))
-    total = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, r)
+    count = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, w)
+    total = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, r * w)
     mean = total / count.clamp_min(1)
-    sq = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, torch.where(valid, (r - mean[inv]) ** 2, 0 * r))
-    std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    sq = torch.zeros(len(uniq), dtype=r.dtype).index_add_(0, inv, ((r - mean[inv]) ** 2) * w)
+    std = torch.where(count > 1, torch.sqrt(sq / (count - 1).clamp_min(1)), torch.zeros_like(sq))
     return mean[inv], std[inv], count[inv], valid
+
+
+def _batch_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of x over the valid entries (0 when fewer than 2)."""
+    n = int(valid.sum())
+    if n < 2:
+        return torch.zeros((), dtype=x.dtype)
+    return x[valid].std()
+
+
+def _scale_mode(cfg, estimator: str) -> str:
+    mode = getattr(cfg, "scale_rewards", None)
+    if mode is None:
+        mode = DEFAULT_SCALE_REWARDS[estimator]
+    if mode is True:  # ms-swift < 3.10 booleans
+        mode = "group"
+    elif mode is False:
+        mode = "none"
+    if mode not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or None), got {mode!r}")
+    return mode
+
+
+def _inputs(rewards, group_ids):
+    rewards = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
+    group_ids = torch.as_tensor(group_ids).reshape(-1)
+    if rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} differ in length")
+    return rewards, group_ids
+
+
+def _finish(adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0).float()
 
 
 @register_advantage("grpo")
 def grpo(rewards, group_ids, cfg):
-    """(r - group mean) / std, std by cfg.scale_rewards: group | batch | none. Groups of 1 and NaN give 0."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float64)
-    group_ids = torch.as_tensor(group_ids)
+    """(r - group mean) / (std + 1e-4), std by cfg.scale_rewards: group | batch (of rewards) | none.
+
+    Groups with one valid member, equal rewards and invalid (NaN/inf) rewards give 0.
+    """
+    rewards, group_ids = _inputs(rewards, group_ids)
     mean, std, count, valid = _group_stats(rewards, group_ids)
-    adv = torch.where(valid & (count > 1), rewards - mean, torch.zeros_like(rewards))
-    if cfg.scale_rewards == "group":
-        adv = adv / (std + 1e-6)
-    elif cfg.scale_rewards == "batch":
-        adv = adv / (rewards[valid].std() + 1e-6 if valid.sum() > 1 else 1.0)
-    return torch.nan_to_num(adv, nan=0.0).float()
+    ok = valid & (count > 1)
+    adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
+    mode = _scale_mode(cfg, "grpo")
+    if mode == "group":
+        adv = adv / (std + STD_EPS)
+    elif mode == "batch":
+        adv = adv / (_batch_std(rewards, valid) + STD_EPS)
+    return _finish(adv, ok)
+
+
+@register_advantage("rloo")
+def rloo(rewards, group_ids, cfg):
+    """Leave-one-out: r_i - mean of the other valid members of its group = (r_i - mean) * K/(K-1).
+
+    Then scaled like ``grpo`` (by the std of the rewards) according to cfg.scale_rewards (ms-swift's default for rloo
+    is 'none'). A group with one valid member gives 0.
+    """
+    rewards, group_ids = _inputs(rewards, group_ids)
+    mean, std, count, valid = _group_stats(rewards, group_ids)
+    ok = valid & (count > 1)
+    k = count.clamp_min(2)
+    adv = torch.where(ok, (rewards - mean) * k / (k - 1), torch.zeros_like(rewards))
+    mode = _scale_mode(cfg, "rloo")
+    if mode == "group":
+        adv = adv / (std + STD_EPS)
+    elif mode == "batch":
+        adv = adv / (_batch_std(rewards, valid) + STD_EPS)
+    return _finish(adv, ok)
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(rewards, group_ids, cfg):
+    """REINFORCE++-baseline (outcome rewards): A = r - group mean, scaled by the std of A.
+
+    cfg.scale_rewards: batch (ms-swift default: std of A over all valid samples of the batch, including the zero
+    advantages of single-member groups), group (std of A in the group, = std of r), none.
+    """
+    rewards, group_ids = _inputs(rewards, group_ids)
+    mean, std, count, valid = _group_stats(rewards, group_ids)
+    ok = valid & (count > 1)
+    adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
+    mode = _scale_mode(cfg, "reinforce_plus_plus")
+    if mode == "group":
+        adv = adv / (std + STD_EPS)
+    elif mode == "batch":
+        adv = adv / (_batch_std(adv, valid) + STD_EPS)
+    return _finish(adv, ok)

@@ -1,10 +1,12 @@
-"""Run one fixed GRPO batch at a given layout and save loss, full HF-named gradients and post-step weights.
+"""Layout checks: run a fixed GRPO batch (or an export) at a given layout and save what TP1 must match.
 
-Used by the layout-matrix tests (and handy for checking a new cluster layout by hand): every layout's
-files must equal the TP1 run's. Files are written by the ranks that own each tensor (TP rank 0, DP rank 0).
+Used by the layout-matrix and resharding tests, and handy for checking a new cluster layout by hand.
+Files: `{tag}.pp{stage}.pt` (HF-named gradients of that stage, written by its TP0/DP0 rank) and
+`{tag}.export.pt` (loss and the post-step weights as `export_hf` streams them to global rank 0).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -12,10 +14,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.data.microbatch import dp_shard, make_microbatches
-from mgrpo.resharding.export import full_hf_tensors
+from mgrpo.resharding.export import export_hf, full_hf_tensors
 
 
-def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None) -> None:
+def _owner() -> bool:
+    return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0)
+
+
+def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
+    out = {}
+    for name, t in export_hf(chunks, dst=0, bucket_bytes=bucket_bytes):
+        out[name] = t.clone()
+    return out
+
+
+def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None) -> None:
     """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step."""
     from mgrpo.actor import Actor
     from mgrpo.parallel.state import setup_model_parallel
@@ -33,31 +47,86 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
         mb["old_logp"] = mb["rollout_logp"]
     global_tokens = sum(sum(s.loss_mask) for s in samples)
     stats = actor.forward_backward(mbs, global_tokens)
-    owner = mpu.get_tensor_model_parallel_rank() == 0 and dp_rank == 0 and mpu.get_context_parallel_rank() == 0
     loss = torch.tensor([sum(float(s["loss_sum"]) for s in stats) / global_tokens if stats else 0.0],
                         dtype=torch.float64)
     dist.all_reduce(loss, group=mpu.get_data_parallel_group(with_context_parallel=True))
     dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())  # only the last stage has a loss
-    use_dist_opt = cfg.train.use_distributed_optimizer
-    grads = {} if use_dist_opt else dict(full_hf_tensors(actor.chunks, lambda p: p.main_grad.clone()))
+    if not cfg.train.use_distributed_optimizer:  # its grad buffers hold reduce-scattered shards only
+        grads = dict(full_hf_tensors(actor.chunks, lambda p: p.main_grad.clone()))
+        if _owner():
+            torch.save({"grads": grads}, os.path.join(out_dir, f"{tag}.pp{mpu.get_pipeline_model_parallel_rank()}.pt"))
     actor.optimizer.step()
-    weights = dict(full_hf_tensors(actor.chunks))
-    if owner:
-        stage = mpu.get_pipeline_model_parallel_rank()
-        torch.save({"loss": float(loss), "grads": grads, "weights": weights},
-                   os.path.join(out_dir, f"{tag}.pp{stage}.pt"))
+    weights = _export_to_rank0(actor.chunks)
+    if dist.get_rank() == 0:
+        torch.save({"loss": float(loss), "weights": weights}, os.path.join(out_dir, f"{tag}.export.pt"))
+    if save_to:
+        from mgrpo.checkpoint import save_checkpoint
+
+        save_checkpoint(actor.chunks, cfg, 1, save_to, model_dir)
     dist.barrier()
 
 
 def load_layout(out_dir: str, tag: str) -> dict:
-    """Merge the per-stage files of one layout into {'loss', 'grads', 'weights'}."""
-    merged = {"loss": None, "grads": {}, "weights": {}}
-    files = sorted(f for f in os.listdir(out_dir) if f.startswith(tag + ".pp"))
-    if not files:
+    """Merge one layout's files into {'loss', 'grads', 'weights'}."""
+    path = os.path.join(out_dir, f"{tag}.export.pt")
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"no results for layout {tag} in {out_dir}")
-    for f in files:
-        part = torch.load(os.path.join(out_dir, f), weights_only=True)
-        merged["loss"] = part["loss"]
-        merged["grads"].update(part["grads"])
-        merged["weights"].update(part["weights"])
+    merged = dict(torch.load(path, weights_only=True), grads={})
+    for f in sorted(f for f in os.listdir(out_dir) if f.startswith(tag + ".pp")):
+        merged["grads"].update(torch.load(os.path.join(out_dir, f), weights_only=True)["grads"])
     return merged
+
+
+def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str) -> None:
+    """HF -> megatron -> export_hf (64 KiB buckets, so many buckets and PP hand-offs) vs the HF files."""
+    from mgrpo.models.builder import build_model
+    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.resharding.load import SafetensorsReader, load_hf
+
+    setup_model_parallel(cfg.parallel, cfg.train.seed)
+    chunks = build_model(model_dir, cfg.parallel)
+    load_hf(chunks, model_dir)
+    got = {}
+    for name, t in export_hf(chunks, dst=0, bucket_bytes=64 << 10):
+        got[name] = t.clone()
+    if dist.get_rank() == 0:
+        reader = SafetensorsReader(model_dir)
+        mismatched = [n for n in reader.where if n not in got or not torch.equal(got[n], reader.read(n))]
+        extra = sorted(set(got) - set(reader.where))
+        result = {"names": len(got), "mismatched": mismatched, "extra": extra,
+                  "embed_rows": list(got["model.embed_tokens.weight"].shape),
+                  "lm_head_rows": list(got["lm_head.weight"].shape) if "lm_head.weight" in got else None}
+        with open(os.path.join(out_dir, f"{tag}.roundtrip.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+def run_init_export(cfg, model_dir: str, out_dir: str, tag: str, input_ids: torch.Tensor) -> None:
+    """A megatron-initialised model (never loaded from HF): save its own logits and its HF export."""
+    from mgrpo.models.builder import build_model
+    from mgrpo.parallel.pipeline import forward_backward
+    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.resharding.hf_writer import write_hf_folder
+
+    setup_model_parallel(cfg.parallel, cfg.train.seed)
+    chunks = build_model(model_dir, cfg.parallel, seed=4321)
+    b, s = input_ids.shape
+    mb = {"input_ids": input_ids, "position_ids": torch.arange(s)[None].expand(b, -1),
+          "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]}
+    stats = forward_backward(chunks, [mb], lambda m, logits: (logits.sum() * 0, {"logits": logits.detach()}),
+                             forward_only=True)
+    if stats:
+        shard = stats[0]["logits"].contiguous()
+        group = mpu.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(shard) for _ in range(mpu.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, shard, group=group)
+        if _owner():
+            vocab = chunks[0].mgrpo_info.vocab_size
+            torch.save(torch.cat(parts, -1)[..., :vocab], os.path.join(out_dir, f"{tag}.logits.pt"))
+    stream = export_hf(chunks, dst=0, bucket_bytes=256 << 10)
+    if dist.get_rank() == 0:
+        write_hf_folder(stream, os.path.join(out_dir, f"{tag}.hf"), model_dir, overwrite=True)
+    else:
+        for _ in stream:
+            pass
+    dist.barrier()

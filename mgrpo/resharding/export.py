@@ -1,8 +1,10 @@
-"""Sharded megatron chunks -> full HF-named tensors on one destination rank.
+"""Sharded megatron chunks -> full HF-named tensors, streamed bucket by bucket to one destination rank.
 
-PP stages take turns; within a stage each parameter is gathered over TP with its mapping's inverse,
-and the stage's first rank ships the stage's tensors to the destination as one flat buffer with a JSON
-header (names, dtypes, shapes). Bucketing with a byte bound comes with the resharding-out work.
+PP stages take turns, so no rank holds more than its own stage plus one bucket in flight. Within a stage
+the parameters are grouped into buckets of about `bucket_bytes` (full size); each bucket costs one TP
+all-gather per dtype (not one per parameter), each mapping's inverse rebuilds the HF tensors (QKV
+de-interleave, gate/up split, vocabulary padding trimmed), and the stage's first rank ships the bucket to
+the destination as a flat buffer with a JSON manifest. Memory stays near one bucket plus the largest tensor.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.parallel.pipeline import unwrap
+from mgrpo.resharding.bucket import Bucket, pack_bucket
 from mgrpo.resharding.name_map import chunk_mappings
+
+DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def _coords() -> torch.Tensor:
@@ -25,62 +30,117 @@ def _coords() -> torch.Tensor:
     return torch.stack(out)
 
 
-def full_hf_tensors(model_chunks, select=None):
-    """(hf_name, full tensor) for this PP stage's parameters, gathered over TP (every TP rank must call).
-
-    `select(param)` picks what to gather: the value by default, e.g. `lambda p: p.main_grad` for gradients.
-    """
-    tp_group = mpu.get_tensor_model_parallel_group()
+def _stage_params(model_chunks, select):
     for chunk in model_chunks:
         model = unwrap(chunk)
-        tied_output = model.share_embeddings_and_output_weights
         for name, param, mapping in chunk_mappings(model):
-            if name == "output_layer.weight" and tied_output:
+            if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 continue  # same tensor as embed_tokens
-            yield from mapping.gather((select or (lambda p: p.detach()))(param), tp_group).items()
+            yield select(param), mapping
 
 
-def _send(tensors: list, dst: int):
-    header = json.dumps([(n, str(t.dtype).replace("torch.", ""), list(t.shape)) for n, t in tensors]).encode()
-    dist.send(torch.tensor([len(header)], dtype=torch.long), dst)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst)
-    for dtype in sorted({t.dtype for _, t in tensors}, key=str):
-        flat = torch.cat([t.reshape(-1) for _, t in tensors if t.dtype == dtype]) if tensors else None
-        dist.send(flat, dst)
+def _plan(params: list, bucket_bytes: int, tp: int) -> list:
+    groups, cur, size = [], [], 0
+    for local, mapping in params:
+        n = local.numel() * local.element_size() * tp
+        if cur and size + n > bucket_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append((local, mapping))
+        size += n
+    return groups + ([cur] if cur else [])
 
 
-def _recv(src: int):
-    n = torch.zeros(1, dtype=torch.long)
-    dist.recv(n, src)
-    raw = torch.empty(int(n), dtype=torch.uint8)
-    dist.recv(raw, src)
-    meta = json.loads(bytes(raw.tolist()).decode())
-    out = {}
-    for dtype_name in sorted({d for _, d, _ in meta}, key=lambda d: str(getattr(torch, d))):
-        dtype = getattr(torch, dtype_name)
-        items = [(name, shape) for name, d, shape in meta if d == dtype_name]
-        flat = torch.empty(sum(int(torch.tensor(s).prod()) if s else 1 for _, s in items), dtype=dtype)
-        dist.recv(flat, src)
+def _gather_group(group: list, tp_group, tp: int) -> list:
+    """Full HF tensors of one bucket with one all-gather per dtype over TP."""
+    if tp == 1:
+        return [item for local, m in group for item in m.unshard([local]).items()]
+    parts_of = {}
+    for dtype in {local.dtype for local, _ in group}:
+        members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
+        flat = torch.cat([local.reshape(-1) for _, local in members])
+        gathered = torch.empty(tp * flat.numel(), dtype=dtype)
+        dist.all_gather_into_tensor(gathered, flat, group=tp_group)
+        gathered = gathered.view(tp, -1)
         off = 0
-        for name, shape in items:
-            numel = int(torch.tensor(shape).prod()) if shape else 1
-            out[name] = flat[off: off + numel].view(shape)
-            off += numel
-    return [(name, out[name]) for name, _, _ in meta]
+        for i, local in members:
+            parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(tp)]
+            off += local.numel()
+    return [item for i, (_, m) in enumerate(group) for item in m.unshard(parts_of[i]).items()]
 
 
-def export_hf(model_chunks: list, dst: int = 0):
-    """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator."""
+def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
+    """(hf_name, full tensor) for this PP stage, gathered over TP; every TP rank of the stage must iterate.
+
+    `select(param)` picks what to gather: the value by default, e.g. `lambda p: p.main_grad` for gradients.
+    `coalesce=False` gathers parameter by parameter (the benchmark's baseline).
+    """
+    select = select or (lambda p: p.detach())
+    tp_group, tp = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
+    params = list(_stage_params(model_chunks, select))
+    if not coalesce:
+        for local, mapping in params:
+            yield from mapping.gather(local, tp_group).items()
+        return
+    for group in _plan(params, bucket_bytes, tp):
+        yield from _gather_group(group, tp_group, tp)
+
+
+def _send_bucket(bucket: Bucket, dst: int) -> None:
+    header = json.dumps(bucket.manifest).encode()
+    dist.send(torch.tensor([len(header), bucket.flat.numel()], dtype=torch.long), dst)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst)
+    if bucket.flat.numel():
+        dist.send(bucket.flat, dst)
+
+
+def _recv_bucket(src: int) -> Bucket:
+    sizes = torch.zeros(2, dtype=torch.long)
+    dist.recv(sizes, src)
+    raw = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    dist.recv(raw, src)
+    flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    if flat.numel():
+        dist.recv(flat, src)
+    return Bucket(flat, json.loads(raw.numpy().tobytes().decode()))
+
+
+def _buckets_of(stream, bucket_bytes: int):
+    """Regroup a (name, tensor) stream into lists of about bucket_bytes."""
+    cur, size = [], 0
+    for name, t in stream:
+        cur.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield cur
+            cur, size = [], 0
+    if cur:
+        yield cur
+
+
+def export_hf(model_chunks: list, dst: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
+    """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
+
+    Tensors are views or fresh copies valid until the caller asks for the next bucket's worth.
+    """
     coords = _coords()
     me = dist.get_rank()
     for stage in range(mpu.get_pipeline_model_parallel_world_size()):
         src = next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
-        in_stage = coords[me, 0] == stage and coords[me, 2] == 0 and coords[me, 3] == 0
-        if in_stage:
-            tensors = list(full_hf_tensors(model_chunks))
-            if me == src and src == dst:
-                yield from tensors
+        if coords[me, 0] == stage and coords[me, 2] == 0 and coords[me, 3] == 0:
+            stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce)
+            if me == src == dst:
+                yield from stream
             elif me == src:
-                _send(tensors, dst)
+                for items in _buckets_of(stream, bucket_bytes):
+                    _send_bucket(pack_bucket(items, 0, 0, checksum=False), dst)
+                _send_bucket(pack_bucket([], 0, 0, checksum=False), dst)  # end of this stage
+            else:
+                for _ in stream:  # the other TP ranks take part in the gathers
+                    pass
         if me == dst and src != dst:
-            yield from _recv(src)
+            while True:
+                bucket = _recv_bucket(src)
+                yield from bucket.tensors()
+                if not bucket.manifest["names"]:
+                    break

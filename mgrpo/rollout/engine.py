@@ -20,8 +20,9 @@ class Engine(Protocol):
     async def generate(self, prompts: list, sampling: SamplingParams) -> list:
         """For each prompt (a list of token ids), `sampling.n` Completions."""
 
-    def update_weights(self, named_tensors: Iterable[tuple], version: int) -> None:
-        """Load HF-named full tensors in place; `version` is stamped on later samples."""
+    def update_weights(self, buckets: Iterable, version: int) -> None:
+        """Load HF-named full tensors from `mgrpo.resharding.bucket.Bucket`s in place; `version` is stamped
+        on later samples."""
 
     def health(self) -> dict: ...
 

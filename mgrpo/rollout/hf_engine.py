@@ -45,15 +45,17 @@ class HFEngine:
         return [self._generate_one(p, sampling) for p in prompts]
 
     @torch.no_grad()
-    def update_weights(self, named_tensors, version: int) -> None:
-        seen = 0
-        for name, tensor in named_tensors:
-            if name not in self._params:
-                if name == "lm_head.weight" and self._tied:
-                    continue
-                raise KeyError(f"HF engine has no parameter {name!r}")
-            self._params[name].copy_(tensor)
-            seen += 1
+    def update_weights(self, buckets, version: int) -> None:
+        """Copy every tensor of every bucket into the HF model in place (checksums verified if present)."""
+        for bucket in buckets:
+            if bucket.manifest.get("sha256"):
+                bucket.verify()
+            for name, tensor in bucket.tensors():
+                if name not in self._params:
+                    if name == "lm_head.weight" and self._tied:
+                        continue
+                    raise KeyError(f"HF engine has no parameter {name!r} ({bucket.label})")
+                self._params[name].copy_(tensor)
         self.version = version
 
     @torch.no_grad()

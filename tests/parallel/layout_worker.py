@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
-from mgrpo.parallel.layout_check import run_layout  # noqa: E402
+from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout  # noqa: E402
 from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCHES = 8, 4
@@ -62,14 +62,22 @@ def main():
     with open(args.samples, "rb") as f:
         samples = samples_from_bytes(f.read())
     for spec in args.layouts.split(","):
-        flags = layout_args(spec)
+        mode, _, layout = spec.rpartition(":")
+        flags = layout_args(layout)
         cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples, *flags,
                                 "--train.lr", "0.01", "--train.adam_eps", "0.001"], check_files=False)
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES
-        corrupt = swap_proj_shards if "wrongshard" in spec else None
-        run_layout(cfg, args.model, samples, args.out, spec, corrupt=corrupt)
+        if mode == "roundtrip":
+            run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"))
+        elif mode == "initexport":
+            ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
+            run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
+        else:
+            corrupt = swap_proj_shards if "wrongshard" in spec else None
+            save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
+            run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to)
         if dist.get_rank() == 0:
             print(f"layout {spec} done", flush=True)
     dist.destroy_process_group()

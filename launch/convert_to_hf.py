@@ -1,0 +1,78 @@
+"""Convert an mgrpo checkpoint (saved at any TP/PP/VPP layout) into an HF model folder.
+
+    python launch/convert_to_hf.py --checkpoint runs/x/checkpoints/step_000100 --output hf_out \
+        [--dtype bfloat16] [--max-shard-size 5GB] [--overwrite]
+
+One CPU process; tensors stream one by one from megatron to safetensors shards with a progress bar.
+The output is written to a temporary folder and renamed into place.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
+    for unit, mult in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 << 30, overwrite: bool = False):
+    from tqdm import tqdm
+
+    from mgrpo.checkpoint import load_checkpoint, read_meta
+    from mgrpo.config import ParallelConfig
+    from mgrpo.models.builder import build_model
+    from mgrpo.parallel.distributed import init_distributed
+    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.resharding.export import export_hf
+    from mgrpo.resharding.hf_writer import check_output_dir, write_hf_folder
+
+    meta = read_meta(checkpoint)
+    check_output_dir(output, overwrite)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        os.environ.pop(k, None)
+    init_distributed(backend="gloo")
+    parallel = ParallelConfig()
+    setup_model_parallel(parallel)
+    hf_dir = os.path.join(checkpoint, "hf")
+    chunks = build_model(hf_dir, parallel, params_dtype=meta.get("params_dtype", "float32"))
+    load_checkpoint(chunks, checkpoint)
+    total = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    info, emb = chunks[0].mgrpo_info, chunks[0].embedding.word_embeddings.weight
+    total -= (chunks[0].vocab_size - info.vocab_size) * emb[0].numel() * emb.element_size() * (
+        1 if info.tie_word_embeddings else 2)  # padded vocabulary rows are not exported
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr) as bar:
+        write_hf_folder(export_hf(chunks, dst=0, bucket_bytes=64 << 20), output, hf_dir, max_shard_bytes, dtype,
+                        overwrite, progress=bar)
+    return output
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="a step_XXXXXX folder written by the trainer")
+    ap.add_argument("--output", required=True, help="HF folder to write")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    from mgrpo.checkpoint import CheckpointFolderError
+    from mgrpo.resharding.hf_writer import OutputExistsError
+
+    try:
+        out = convert(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.overwrite)
+    except (CheckpointFolderError, OutputExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

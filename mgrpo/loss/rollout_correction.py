@@ -1,0 +1,111 @@
+"""Rollout importance-sampling correction for the engine/trainer gap (ms-swift ``rollout_importance_sampling_mode``).
+
+The engine (vLLM, ...) samples with ``rollout_logp``; the trainer's own forward pass at rollout time gives
+``old_logp`` for the same tokens. They differ numerically (kernels, precision) or because the engine lags behind
+(async). The per-token ratio ``rho_t = pi_old / pi_rollout = exp(old_logp - rollout_logp)`` reweights the loss so
+that it is an expectation under ``pi_old``; ``rollout_is_weights`` returns the weights, which the policy loss
+multiplies into the per-token loss (after the KL term, as ms-swift does). The weights carry no gradient.
+
+Modes (``mode``, ms-swift names; threshold ``C`` default 2.0, ``rollout_importance_sampling_threshold``):
+
+- ``token_truncate`` (TIS): ``w_t = min(rho_t, C)``.
+- ``token_mask`` (MIS): ``w_t = rho_t`` if ``lower <= rho_t <= C`` else 0.
+- ``sequence_truncate``: ``w_t = min(rho_seq, C)`` for every token of the sequence.
+- ``sequence_mask``: ``w_t = rho_t`` if ``lower <= rho_seq <= C`` else 0 (whole sequence dropped; kept sequences keep
+  their token-level ratios, as ms-swift does).
+
+``rho_seq`` is the geometric mean of the token ratios, ``exp(seq_sum(mask * log rho) / seq_sum(mask))`` (ms-swift
+``_compute_sequence_level_ratios``; GSPO-style length normalisation), not the product ``exp(sum log rho)``: the product
+of hundreds of ratios near 1 is dominated by length. Both sums go through ``seq_sum`` so a row split over context
+parallel ranks gives the same ratio on every rank. ``lower`` defaults to None (no lower bound, as ms-swift); token log
+ratios are clamped to ``[-20, 20]`` before ``exp`` (ms-swift's safety bound). Weights are 0 off the mask.
+
+Metrics (masked means over this micro-batch's tokens, detached): ``rollout_logp_abs_diff`` = mean |old - rollout|;
+``rollout_kl_k1`` = mean(rollout - old) and ``rollout_kl_k3`` = mean(rho - 1 - log rho); with samples drawn from the
+engine both estimate ``KL(pi_rollout || pi_old)`` (k3 is the low-variance, non-negative one);
+``rollout_is_weight_mean``; and ``rollout_is_clip_frac`` (truncate modes: tokens whose weight was capped) or
+``rollout_is_mask_frac`` (mask modes: tokens whose weight was zeroed).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ALIASES = {"tis": "token_truncate", "mis": "token_mask", "seq_tis": "sequence_truncate", "seq_mis": "sequence_mask"}
+LOG_RATIO_CLAMP = 20.0
+DEFAULT_THRESHOLD = 2.0
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _default_seq_sum(x):
+    return x.sum(-1)
+
+
+def _log_ratio(old_logp, rollout_logp, mask):
+    m = mask > 0
+    lr = torch.where(m, old_logp.detach() - rollout_logp.detach(), torch.zeros_like(old_logp))
+    return torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def rollout_offpolicy_metrics(old_logp, rollout_logp, mask) -> dict:
+    """Diagnostics of the engine/trainer mismatch (no weights): abs logprob difference, k1 and k3 KL."""
+    with torch.no_grad():
+        lr = _log_ratio(old_logp, rollout_logp, mask)
+        return {
+            "rollout_logp_abs_diff": _masked_mean(lr.abs(), mask),
+            "rollout_kl_k1": _masked_mean(-lr, mask),
+            "rollout_kl_k3": _masked_mean(torch.exp(lr) - 1 - lr, mask),
+        }
+
+
+def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, threshold: float = DEFAULT_THRESHOLD,
+                       lower: Optional[float] = None, seq_sum: Optional[Callable] = None):
+    """``(weights [B, L] detached, metrics)`` for one micro-batch; see the module docstring for the modes."""
+    mode = ALIASES.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"rollout IS mode must be one of {MODES} (or {tuple(ALIASES)}), got {mode!r}")
+    if lower is not None and lower > threshold:
+        raise ValueError(f"rollout IS lower bound {lower} is above the threshold {threshold}")
+    seq_sum = seq_sum or _default_seq_sum
+    mask = mask.to(old_logp.dtype)
+    with torch.no_grad():
+        lr = _log_ratio(old_logp, rollout_logp, mask)
+        rho = torch.exp(lr)
+        if mode.startswith("sequence"):
+            seq_lr = seq_sum(lr * mask) / seq_sum(mask).clamp_min(1.0)
+            basis = torch.exp(seq_lr).unsqueeze(-1).expand_as(rho)
+        else:
+            basis = rho
+        if mode.endswith("truncate"):
+            weights = torch.clamp(basis, max=threshold)
+            changed = basis > threshold
+        else:
+            keep = basis <= threshold
+            if lower is not None:
+                keep = keep & (basis >= lower)
+            weights = torch.where(keep, rho, torch.zeros_like(rho))
+            changed = ~keep
+        weights = weights * mask
+        metrics = rollout_offpolicy_metrics(old_logp, rollout_logp, mask)
+        metrics["rollout_is_weight_mean"] = _masked_mean(weights, mask)
+        key = "rollout_is_clip_frac" if mode.endswith("truncate") else "rollout_is_mask_frac"
+        metrics[key] = _masked_mean(changed.to(mask.dtype), mask)
+    return weights, metrics
+
+
+def rollout_is_weights_from_cfg(old_logp, rollout_logp, mask, cfg, seq_sum: Optional[Callable] = None):
+    """Reads ``cfg.rollout_is_mode`` (None: no correction, weights None, metrics still computed when rollout logprobs
+    are given), ``cfg.rollout_is_threshold`` (2.0) and ``cfg.rollout_is_lower`` (None)."""
+    if rollout_logp is None:
+        return None, {}
+    mode = getattr(cfg, "rollout_is_mode", None)
+    if mode is None:
+        return None, rollout_offpolicy_metrics(old_logp, rollout_logp, mask)
+    return rollout_is_weights(old_logp, rollout_logp, mask, mode,
+                              threshold=getattr(cfg, "rollout_is_threshold", DEFAULT_THRESHOLD),
+                              lower=getattr(cfg, "rollout_is_lower", None), seq_sum=seq_sum)

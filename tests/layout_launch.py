@@ -1,0 +1,85 @@
+"""One set of torchrun launches shared by the layout-matrix and resharding tests (a launch costs 7-11 s).
+
+Each launch runs several layouts in turn; the TP1 reference runs in the pytest process itself.
+"""
+import os
+import subprocess
+import sys
+
+import torch
+
+from mgrpo.config import load_config
+from mgrpo.parallel.distributed import free_port
+from mgrpo.parallel.layout_check import run_export_roundtrip, run_layout
+from mgrpo.rollout.types import Sample, samples_to_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "parallel", "layout_worker.py")
+
+LAUNCHES = {
+    2: ["tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2", "dp2-distopt", "tp2-wrongshard",
+        "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2"],
+    4: ["ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2"],
+    8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
+}
+
+
+class Results(str):
+    """The output folder (a str) that also knows the model folder."""
+    model_dir: str
+
+
+def make_samples(model_dir):
+    """8 samples, prompts of 5..19 and responses of 3..27 tokens, old logprobs = TP1 logprobs + noise."""
+    from mgrpo.actor import Actor
+    from mgrpo.data.microbatch import make_microbatches
+
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(8):
+        p, r = 5 + (i * 5) % 15, 3 + (i * 7) % 25
+        resp = torch.randint(3, 300, (r,), generator=g).tolist()
+        mask = [1] * r
+        if i % 3 == 0:
+            mask[r // 2] = 0  # an environment-written token inside the response
+        samples.append(Sample(prompt_ids=torch.randint(3, 300, (p,), generator=g).tolist(), response_ids=resp,
+                              loss_mask=mask, group_id=i // 4,
+                              info={"advantage": float(torch.randn((), generator=g))}))
+    cfg = load_config(argv=["--model.path", model_dir, "--data.path", "unused.jsonl"], check_files=False)
+    actor = Actor(cfg, model_dir, train=False)
+    for s in samples:
+        mb = make_microbatches([s], 1, 0)[0]
+        logp = actor.logprobs([mb])[0][0]
+        pos = [len(s.prompt_ids) + j - 1 for j in range(len(s.response_ids))]
+        noise = 0.3 * torch.randn(len(pos), generator=g)
+        s.rollout_logprobs = (logp[pos] + noise).tolist()
+    return samples
+
+
+def run_all_launches(tiny_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    model = tiny_dirs("layout_qwen2", family="qwen2", vocab_size=300, num_layers=4, seed=3)
+    samples = make_samples(model)
+    path = out / "samples.json"
+    path.write_bytes(samples_to_bytes(samples))
+    ref_cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
+                                "--train.adam_eps", "0.001", "--train.micro_batch_size", "2"])
+    run_layout(ref_cfg, model, samples, str(out), "tp1")
+    run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
+    logs = {}
+    for world, layouts in LAUNCHES.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={free_port()}", WORKER, "--model", model,
+               "--samples", str(path), "--out", str(out), "--layouts", ",".join(layouts)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+        logs[world] = r
+        assert r.returncode == 0, f"world {world} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    res = Results(str(out))
+    res.model_dir = model
+    return res
+
+
