@@ -1,8 +1,9 @@
 """The trained policy: megatron chunks + DDP + optimizer, with logprob and train passes over micro-batches.
 
-Loss scaling: megatron divides a 2-tuple loss by num_microbatches (times cp) and DDP averages gradients
-over DP x CP. Each micro-batch returns sum(per-token loss) / global_tokens x num_microbatches x dp, so the
-summed gradient equals the single-device gradient of the global token-mean.
+Loss scaling: each micro-batch carries per-token aggregation weights from global counts
+(`mgrpo.loss.aggregation`). Megatron divides a 2-tuple loss by num_microbatches (times cp) and DDP averages
+gradients over DP x CP, so each micro-batch returns sum(weight x per-token loss) x num_microbatches x dp:
+the summed gradient is the single-device gradient of the whole batch's loss.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron.core import parallel_state as mpu
 
 from mgrpo.loss.logprobs import vocab_parallel_logprobs
 from mgrpo.loss.registry import policy_loss
+from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg
 from mgrpo.models.builder import build_model
 from mgrpo.parallel.pipeline import forward_backward, unwrap
 from mgrpo.resharding.load import load_hf
@@ -47,11 +49,10 @@ class Actor:
                                   use_distributed_optimizer=t.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
 
-    def _logprobs(self, mb, logits):
+    def _logprobs(self, mb, logits, entropy: bool = False):
         tp = mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
-        logp, _ = vocab_parallel_logprobs(logits, mb["targets"], tp, temperature=self.cfg.rollout.temperature,
-                                          vocab_size=self.info.vocab_size)
-        return logp
+        return vocab_parallel_logprobs(logits, mb["targets"], tp, temperature=self.cfg.rollout.temperature,
+                                       compute_entropy=entropy, vocab_size=self.info.vocab_size)
 
     @torch.no_grad()
     def logprobs(self, microbatches: list) -> list:
@@ -60,42 +61,54 @@ class Actor:
             c.eval()
 
         def loss_fn(mb, logits):
-            logp = self._logprobs(mb, logits)
+            logp, _ = self._logprobs(mb, logits)
             return logits.sum() * 0.0, {"logp": logp * mb["loss_mask"]}
 
         stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=True)
         return [s["logp"] for s in stats]
 
-    def forward_backward(self, microbatches: list, global_tokens: int) -> list:
-        """Gradients of the global token-mean loss into the DDP grad buffers (`param.main_grad`)."""
+    def forward_backward(self, microbatches: list) -> list:
+        """Gradients of the batch loss into the DDP grad buffers (`param.main_grad`); per-micro-batch stats."""
         for c in self.chunks:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         alg = self.cfg.algorithm
-        scale = len(microbatches) * mpu.get_data_parallel_world_size() / max(global_tokens, 1)
+        scale = len(microbatches) * mpu.get_data_parallel_world_size()
         fn = policy_loss(alg.policy_loss)
 
         def loss_fn(mb, logits):
-            logp = self._logprobs(mb, logits)
-            per_token, m = fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], alg)
-            tokens = mb["loss_mask"].sum()
-            stats = {k: v.detach() * tokens for k, v in m.items()}
-            stats.update(loss_sum=per_token.detach().sum(), tokens=tokens)
-            return per_token.sum() * scale, stats
+            mask = mb["loss_mask"]
+            logp, entropy = self._logprobs(mb, logits, entropy=alg.entropy_coef > 0)
+            is_weights, stats = None, {}
+            if alg.rollout_is_mode:
+                is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg)
+                stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
+            per_token, metrics = fn(logp, mb["old_logp"], mb["advantages"], mask, alg,
+                                    ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights)
+            if entropy is not None:
+                per_token = per_token - alg.entropy_coef * entropy * mask
+                metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp_min(1)
+            weighted = (per_token * mb["token_weight"]).sum()
+            tokens = mask.sum()
+            stats = {k: v.detach() * tokens for k, v in {**stats, **metrics}.items()}
+            stats.update(loss_sum=weighted.detach(), tokens=tokens)
+            return weighted * scale, stats
 
         return forward_backward(self.chunks, microbatches, loss_fn, forward_only=False)
 
-    def train_step(self, microbatches: list, global_tokens: int) -> dict:
-        """One optimizer step over all micro-batches; returns metrics averaged over tokens (last stage)."""
-        stats = self.forward_backward(microbatches, global_tokens)
+    def train_step(self, microbatches: list) -> dict:
+        """One optimizer step over all micro-batches; returns metrics averaged over tokens (last stage);
+        `loss` is this rank's share of the batch loss (sum over ranks = the batch loss)."""
+        stats = self.forward_backward(microbatches)
         ok, grad_norm, _ = self.optimizer.step()
         out = {"grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:
-                if k != "tokens":
-                    out["loss" if k == "loss_sum" else k] = sum(float(s[k]) for s in stats) / max(tokens, 1)
+                if k not in ("tokens", "loss_sum"):
+                    out[k] = sum(float(s[k]) for s in stats) / max(tokens, 1)
+            out["loss"] = sum(float(s["loss_sum"]) for s in stats)
             out["tokens"] = tokens
         return out
 

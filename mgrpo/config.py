@@ -69,13 +69,21 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    loss_type: Optional[str] = None  # ms-swift preset: grpo | bnpo | dr_grpo | dapo | cispo (sets the next 3 + eps)
     advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus
-    scale_rewards: str = "group"  # group | batch | none
-    policy_loss: str = "ppo_clip"
-    aggregation: str = "token-mean"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    kl_coef: float = 0.0
+    scale_rewards: Optional[str] = None  # group | batch | none; null = the estimator's default
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | gspo_token | cispo
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (over the global batch)
+    epsilon_low: Optional[float] = None  # null = the policy loss's default (ppo_clip 0.2, gspo 3e-4)
+    epsilon_high: Optional[float] = None  # (ppo_clip 0.2, gspo 4e-4, cispo: absolute ratio cap 5.0)
+    clip_ratio_c: Optional[float] = 3.0  # dual-clip where A < 0; null turns it off
+    kl_coef: float = 0.0  # > 0 loads a frozen reference policy (the initial weights)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 as a loss term
+    kl_in_reward: bool = False  # subtract kl_coef * k1 (per sequence) from the reward instead
+    entropy_coef: float = 0.0  # entropy bonus
+    rollout_is_mode: Optional[str] = None  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    rollout_is_threshold: float = 2.0
+    rollout_is_lower: Optional[float] = None
 
 
 @dataclass
@@ -271,8 +279,9 @@ def validate(cfg: Config) -> list[str]:
             e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
     if r.temperature <= 0:
         e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
-    if a.scale_rewards not in ("group", "batch", "none"):
-        e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch or none")
+    if a.scale_rewards not in (None, "group", "batch", "none"):
+        e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch, none or null")
+    e += _check_algorithm_names(a)
     if t.steps < 1 or t.micro_batch_size < 1:
         e.append("train.steps and train.micro_batch_size must be >= 1")
     if not cfg.data.path:
@@ -280,6 +289,25 @@ def validate(cfg: Config) -> list[str]:
     elif not os.path.isfile(cfg.data.path):
         e.append(f"data.path={cfg.data.path!r}: file not found; check the path (relative paths are from the "
                  f"current directory {os.getcwd()})")
+    return e
+
+
+def _check_algorithm_names(a) -> list:
+    from mgrpo.loss.kl import _ALIASES, _KL
+    from mgrpo.loss.presets import AGGREGATIONS, PRESETS
+    from mgrpo.loss.registry import _ADVANTAGE, _POLICY, advantages
+
+    advantages("grpo")  # loads the built-ins
+    e = []
+    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, list(_ADVANTAGE), False),
+              ("policy_loss", a.policy_loss, list(_POLICY), False),
+              ("aggregation", a.aggregation, list(AGGREGATIONS), False),
+              ("kl_estimator", a.kl_estimator, list(_KL) + list(_ALIASES), False),
+              ("rollout_is_mode", a.rollout_is_mode, ["token_truncate", "token_mask", "sequence_truncate",
+                                                      "sequence_mask", "tis", "mis", "seq_tis", "seq_mis"], True)]
+    for name, value, known, nullable in checks:
+        if (value is None and not nullable) or (value is not None and value not in known):
+            e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
     return e
 
 
@@ -327,6 +355,10 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
         errors += validate(cfg) if check_files else [x for x in validate(cfg) if not x.startswith("data.path")]
     if errors:
         raise ConfigError(errors)
+    if cfg.algorithm.loss_type:
+        from mgrpo.loss.presets import apply_preset
+
+        cfg.algorithm = apply_preset(cfg.algorithm, cfg.algorithm.loss_type)
     return cfg
 
 

@@ -12,9 +12,12 @@ from megatron.core import parallel_state as mpu
 
 from mgrpo.actor import Actor
 from mgrpo.data.dataset import PromptStream, read_prompt_rows
-from mgrpo.data.microbatch import dp_shard, make_microbatches
+from mgrpo.data.microbatch import dp_shard, make_microbatches, set_advantages
 from mgrpo.data.tokenizer import load_tokenizer
 from mgrpo.logging import RunLogger
+from mgrpo.loss.advantages import valid_mask
+from mgrpo.loss.aggregation import token_weights
+from mgrpo.loss.kl import penalize_rewards
 from mgrpo.loss.registry import advantages
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
@@ -34,14 +37,33 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     return data if data is not None else bytes(buf.numpy())
 
 
-def reduce_last_stage(metrics: dict, keys: list) -> dict:
-    """Metrics live on last-stage ranks; average them over DP (token-weighted) and bring them to every rank."""
-    report = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 \
-        and mpu.get_context_parallel_rank() == 0
+def _reports() -> bool:
+    return (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0)
+
+
+def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
+    """Metrics live on last-stage ranks: token-weighted means of `mean_keys`, sums of `sum_keys`, on every rank."""
+    report = _reports()
     tokens = metrics.get("tokens", 0.0) if report else 0.0
-    vec = torch.tensor([metrics.get(k, 0.0) * tokens if report else 0.0 for k in keys] + [tokens], dtype=torch.float64)
+    vec = torch.tensor([metrics.get(k, 0.0) * tokens if report else 0.0 for k in mean_keys]
+                       + [metrics.get(k, 0.0) if report else 0.0 for k in sum_keys] + [tokens], dtype=torch.float64)
     dist.all_reduce(vec)
-    return {k: float(v) / max(float(vec[-1]), 1.0) for k, v in zip(keys, vec[:-1])}
+    out = {k: float(v) / max(float(vec[-1]), 1.0) for k, v in zip(mean_keys, vec)}
+    out.update({k: float(v) for k, v in zip(sum_keys, vec[len(mean_keys):])})
+    return out
+
+
+def sequence_kl(microbatches: list, n_local: int, offset: int, n_global: int) -> torch.Tensor:
+    """Per-sample sum of k1 = old - ref logprob over response tokens, gathered to every rank."""
+    out = torch.zeros(n_global, dtype=torch.float64)
+    if _reports():
+        for mb in microbatches:
+            kl = ((mb["old_logp"] - mb["ref_logp"]) * mb["loss_mask"]).sum(-1)
+            for row, idx in enumerate(mb["sample_index"]):
+                out[offset + idx] = float(kl[row])
+    dist.all_reduce(out)
+    return out
 
 
 class GRPOTrainer:
@@ -54,6 +76,7 @@ class GRPOTrainer:
         rows = read_prompt_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.messages_key)
         self.prompts = PromptStream(rows, cfg.rollout.prompts_per_step, cfg.data.shuffle, cfg.train.seed)
         self.actor = Actor(cfg, cfg.model.path)
+        self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.engine = make_engine(cfg, cfg.model.path, self.tokenizer) if self.rank == 0 else None
         self.rollout = RolloutManager(self.engine, self.tokenizer, cfg) if self.rank == 0 else None
         self.version = 0
@@ -84,28 +107,40 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         samples = self.rollout_and_score(step)
         t1 = time.perf_counter()
-        alg = self.cfg.algorithm
+        alg, n = self.cfg.algorithm, len(samples)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        adv = advantages(alg.advantage)(rewards, torch.tensor([s.group_id for s in samples]), alg)
+        for s, ok in zip(samples, valid_mask(rewards).tolist()):
+            if not ok:  # a failed reward trains nothing
+                s.loss_mask = [0] * len(s.loss_mask)
+        weights = token_weights(samples, alg.aggregation, self.cfg.rollout.max_tokens)
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-        local = dp_shard(list(range(len(samples))), dp_rank, dp_size)
+        local = dp_shard(list(range(n)), dp_rank, dp_size)
         mbs = make_microbatches([samples[i] for i in local], self.cfg.train.micro_batch_size,
-                                self.tokenizer.pad_token_id, [adv[i] for i in local], self.pad_multiple,
-                                same_length=self.cfg.parallel.pp > 1)
-        old = self.actor.logprobs(mbs)
-        for i, mb in enumerate(mbs):
-            mb["old_logp"] = old[i] if old else torch.zeros_like(mb["loss_mask"])
-        global_tokens = sum(sum(s.loss_mask) for s in samples)
-        train = self.actor.train_step(mbs, global_tokens)
+                                self.tokenizer.pad_token_id, None, self.pad_multiple,
+                                same_length=self.cfg.parallel.pp > 1, token_weights=[weights[i] for i in local])
+        for key, actor in (("old_logp", self.actor), ("ref_logp", self.ref)):
+            if actor is not None:
+                logps = actor.logprobs(mbs)
+                for i, mb in enumerate(mbs):
+                    mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
+        kl_metrics = {}
+        if self.ref is not None and alg.kl_in_reward:
+            seq_kl = sequence_kl(mbs, len(local), local[0], n)
+            rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
+            kl_metrics["kl_ref"] = float(seq_kl.mean())
+        adv = advantages(alg.advantage)(rewards, torch.tensor([s.group_id for s in samples]), alg)
+        set_advantages(mbs, [adv[i] for i in local])
+        train = self.actor.train_step(mbs)
         t2 = time.perf_counter()
         self.sync_weights()
         t3 = time.perf_counter()
-        metrics = reduce_last_stage(train, ["loss", "clip_frac", "approx_kl"])
+        metrics = reduce_last_stage(train, [k for k in ("clip_frac", "approx_kl", "entropy") if k in train] +
+                                    [k for k in train if k.startswith("rollout_is/")], ["loss"])
         n_tokens = sum(len(s.response_ids) for s in samples)
-        metrics.update(reward_mean=float(rewards.nanmean()), reward_std=float(rewards[~rewards.isnan()].std()),
-                       response_len=n_tokens / len(samples), grad_norm=train["grad_norm"],
-                       tokens_per_s=n_tokens / (t3 - t0), time_rollout=t1 - t0, time_train=t2 - t1,
-                       time_sync=t3 - t2, weight_version=self.version)
+        raw = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        metrics.update(kl_metrics, reward_mean=float(raw.nanmean()), reward_std=float(raw[~raw.isnan()].std()),
+                       response_len=n_tokens / n, grad_norm=train["grad_norm"], tokens_per_s=n_tokens / (t3 - t0),
+                       time_rollout=t1 - t0, time_train=t2 - t1, time_sync=t3 - t2, weight_version=self.version)
         return metrics
 
     def fit(self) -> list:

@@ -14,9 +14,10 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
-                      pad_to_multiple: int = 1, same_length: bool = False) -> list:
+                      pad_to_multiple: int = 1, same_length: bool = False, token_weights=None) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
-    loss_mask [b, L] aligned with the logits, advantages and rollout_logp [b, L], and `sample_index`.
+    loss_mask [b, L] aligned with the logits, advantages, rollout_logp and token_weight [b, L] (the
+    aggregation weights of `mgrpo.loss.aggregation.token_weights`), and `sample_index`.
 
     `same_length` pads every micro-batch to the longest one: megatron's pipeline p2p on gloo mis-pairs the
     shape exchange of variable-length micro-batches under the interleaved schedule, so PP > 1 uses it.
@@ -34,6 +35,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
         mask = torch.zeros(b, length)
         adv = torch.zeros(b, length)
         rollout_logp = torch.zeros(b, length)
+        weight = torch.zeros(b, length, dtype=torch.float64)
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
             p = len(s.prompt_ids)
@@ -43,12 +45,22 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
                     mask[i, p + j - 1] = 1.0
                     if s.rollout_logprobs is not None:
                         rollout_logp[i, p + j - 1] = s.rollout_logprobs[j]
+                    if token_weights is not None:
+                        weight[i, p + j - 1] = token_weights[start + i][j]
             if advantages is not None:
                 adv[i] = float(advantages[start + i])
         out.append({
             "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask, "rollout_logp": rollout_logp,
+            "token_weight": weight.float(),
             "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
             "sample_index": list(range(start, start + b)),
         })
     return out
+
+
+def set_advantages(microbatches: list, advantages) -> None:
+    """Fill per-token advantages once they are known (after old/ref logprobs, e.g. with KL in the reward)."""
+    for mb in microbatches:
+        for row, idx in enumerate(mb["sample_index"]):
+            mb["advantages"][row] = float(advantages[idx]) * mb["loss_mask"][row]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.data.microbatch import dp_shard, make_microbatches
+from mgrpo.loss.aggregation import token_weights
 from mgrpo.resharding.export import export_hf, full_hf_tensors
 
 
@@ -29,8 +30,11 @@ def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
     return out
 
 
-def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None) -> None:
-    """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step."""
+def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None,
+               weights_fn=None, step: bool = True) -> None:
+    """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step.
+
+    `weights_fn(samples)` replaces the configured aggregation weights (negative controls)."""
     from mgrpo.actor import Actor
     from mgrpo.parallel.state import setup_model_parallel
 
@@ -39,26 +43,29 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     if corrupt is not None:
         corrupt(actor)
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    local = [samples[i] for i in dp_shard(list(range(len(samples))), dp_rank, dp_size)]
+    idx = dp_shard(list(range(len(samples))), dp_rank, dp_size)
+    local = [samples[i] for i in idx]
     advs = [s.info["advantage"] for s in local]
+    weights = weights_fn(samples) if weights_fn else token_weights(samples, cfg.algorithm.aggregation,
+                                                                    cfg.rollout.max_tokens)
     pad = cfg.parallel.tp if cfg.parallel.sp else 1
-    mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1)
+    mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1,
+                            token_weights=[weights[i] for i in idx])
     for mb in mbs:
         mb["old_logp"] = mb["rollout_logp"]
-    global_tokens = sum(sum(s.loss_mask) for s in samples)
-    stats = actor.forward_backward(mbs, global_tokens)
-    loss = torch.tensor([sum(float(s["loss_sum"]) for s in stats) / global_tokens if stats else 0.0],
-                        dtype=torch.float64)
+    stats = actor.forward_backward(mbs)
+    loss = torch.tensor([sum(float(s["loss_sum"]) for s in stats)], dtype=torch.float64)
     dist.all_reduce(loss, group=mpu.get_data_parallel_group(with_context_parallel=True))
     dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())  # only the last stage has a loss
     if not cfg.train.use_distributed_optimizer:  # its grad buffers hold reduce-scattered shards only
         grads = dict(full_hf_tensors(actor.chunks, lambda p: p.main_grad.clone()))
         if _owner():
             torch.save({"grads": grads}, os.path.join(out_dir, f"{tag}.pp{mpu.get_pipeline_model_parallel_rank()}.pt"))
-    actor.optimizer.step()
-    weights = _export_to_rank0(actor.chunks)
+    if step:
+        actor.optimizer.step()
+    exported = _export_to_rank0(actor.chunks) if step else {}
     if dist.get_rank() == 0:
-        torch.save({"loss": float(loss), "weights": weights}, os.path.join(out_dir, f"{tag}.export.pt"))
+        torch.save({"loss": float(loss), "weights": exported}, os.path.join(out_dir, f"{tag}.export.pt"))
     if save_to:
         from mgrpo.checkpoint import save_checkpoint
 

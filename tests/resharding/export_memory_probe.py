@@ -6,11 +6,6 @@ Run with MALLOC_MMAP_THRESHOLD_=131072 so freed buffers go back to the OS and RS
 import json
 import os
 import sys
-import threading
-import time
-
-import psutil
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -19,36 +14,8 @@ from mgrpo.models.builder import build_model  # noqa: E402
 from mgrpo.models.hf_config import ModelInfo  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
 from mgrpo.parallel.state import setup_model_parallel  # noqa: E402
+from mgrpo.profiling import MB, PeakRSS  # noqa: E402
 from mgrpo.resharding.export import export_hf  # noqa: E402
-
-MB = 1 << 20
-
-
-class PeakRSS:
-    def __init__(self):
-        self.proc, self.stop, self.peak = psutil.Process(), False, 0
-
-    def __enter__(self):
-        self.base = self.proc.memory_info().rss
-        self.peak = self.base
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-        return self
-
-    def _poll(self):
-        while not self.stop:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    def __exit__(self, *exc):
-        self.stop = True
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def increase_mb(self):
-        return (self.peak - self.base) / MB
-
 
 def main():
     bucket = int(sys.argv[1]) * MB if len(sys.argv) > 1 else 32 * MB
