@@ -19,10 +19,13 @@ WORKER = os.path.join(HERE, "parallel", "layout_worker.py")
 
 LAUNCHES = {
     2: ["tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2", "dp2-distopt", "tp2-wrongshard",
-        "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2"],
-    4: ["ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2"],
+        "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2",
+        "tp2-loss_grpo", "pp2-vpp2-loss_grpo", "dp2-loss_dr_grpo", "pp2-loss_gspo", "dp2-loss_cispo"],
+    4: ["ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2",
+        "tp2-dp2-loss_grpo", "tp2-dp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
 }
+LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo"]  # TP1 references run in-process
 
 
 class Results(str):
@@ -66,6 +69,14 @@ def run_all_launches(tiny_dirs, tmp_path_factory):
     ref_cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
                                 "--train.adam_eps", "0.001", "--train.micro_batch_size", "2"])
     run_layout(ref_cfg, model, samples, str(out), "tp1")
+    from mgrpo.loss.presets import PRESETS
+
+    for variant in LOSS_VARIANTS:
+        name = variant[len("loss_"):]
+        flag = "--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss"
+        cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
+                                "--train.adam_eps", "0.001", "--train.micro_batch_size", "2", flag, name])
+        run_layout(cfg, model, samples, str(out), f"tp1-{variant}")
     run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
     logs = {}
     for world, layouts in LAUNCHES.items():

@@ -26,6 +26,11 @@ def layout_args(spec: str) -> list:
             args += ["--train.use_distributed_optimizer", "true"]
         elif part == "p2pbatch":
             args += ["--parallel.batch_p2p_comm", "true"]
+        elif part.startswith("loss_"):
+            from mgrpo.loss.presets import PRESETS
+
+            name = part[len("loss_"):]
+            args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
         elif part.startswith("wrongshard") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
@@ -64,8 +69,8 @@ def main():
     for spec in args.layouts.split(","):
         mode, _, layout = spec.rpartition(":")
         flags = layout_args(layout)
-        cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples, *flags,
-                                "--train.lr", "0.01", "--train.adam_eps", "0.001"], check_files=False)
+        cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples,
+                                "--train.lr", "0.01", "--train.adam_eps", "0.001", *flags], check_files=False)
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES

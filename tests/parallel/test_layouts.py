@@ -1,5 +1,6 @@
 """The layout matrix: loss, every HF-named gradient, and the weights after one optimizer step equal the
-TP1 run's at TP2, TP2+SP, PP2, PP2xVPP2, DP2 (plain and distributed optimizer), TP2xPP2 and TP2xPP2xDP2.
+TP1 run's at TP2, TP2+SP, PP2, PP2xVPP2, DP2 (plain and distributed optimizer), TP2xPP2 and TP2xPP2xDP2,
+and for the loss presets / sequence-level losses (`-loss_*` tags) at DP2, TP2, PP2, PP2xVPP2 and TP2xDP2.
 
 A fixed global batch of 8 samples with unequal lengths goes through 4 micro-batches on every rank; old
 logprobs are the TP1 model's plus noise, so PPO ratios leave the clip range and both branches are exercised.
@@ -27,7 +28,8 @@ def compare(ref: dict, got: dict, what: str) -> float:
 
 
 def check(out, tag):
-    ref, got = load_layout(out, "tp1"), load_layout(out, tag)
+    loss = tag[tag.index("loss_"):] if "loss_" in tag else None
+    ref, got = load_layout(out, f"tp1-{loss}" if loss else "tp1"), load_layout(out, tag)
     assert abs(got["loss"] - ref["loss"]) <= ABS, f"loss {got['loss']} vs {ref['loss']}"
     g = compare(ref["grads"], got["grads"], "grad") if got["grads"] else None
     w = compare(ref["weights"], got["weights"], "exported weight after step")
