@@ -27,6 +27,11 @@ class Actor:
         self.info = chunks[0].mgrpo_info
         self.config = chunks[0].config
         self.chunks, self.optimizer = chunks, None
+        self.seq_sum = None  # per-sequence sums across CP ranks (None: plain row sums)
+        if cfg.parallel.cp > 1:
+            from mgrpo.parallel.context_parallel import cp_seq_sum
+
+            self.seq_sum = cp_seq_sum(mpu.get_context_parallel_group())
         if train:
             self._wrap_for_training()
 
@@ -82,10 +87,12 @@ class Actor:
             logp, entropy = self._logprobs(mb, logits, entropy=alg.entropy_coef > 0)
             is_weights, stats = None, {}
             if alg.rollout_is_mode:
-                is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg)
+                is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg,
+                                                                     seq_sum=self.seq_sum)
                 stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
             per_token, metrics = fn(logp, mb["old_logp"], mb["advantages"], mask, alg,
-                                    ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights)
+                                    ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
+                                    seq_sum=self.seq_sum)
             if entropy is not None:
                 per_token = per_token - alg.entropy_coef * entropy * mask
                 metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp_min(1)

@@ -38,8 +38,8 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
 
 
 def _reports() -> bool:
-    return (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0)
+    """Last-stage TP0 ranks hold the metrics (every CP rank its own tokens' share)."""
+    return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
 
 
 def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
@@ -55,7 +55,7 @@ def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
 
 
 def sequence_kl(microbatches: list, n_local: int, offset: int, n_global: int) -> torch.Tensor:
-    """Per-sample sum of k1 = old - ref logprob over response tokens, gathered to every rank."""
+    """Per-sample sum of k1 = old - ref logprob over response tokens (CP ranks add their chunks), on every rank."""
     out = torch.zeros(n_global, dtype=torch.float64)
     if _reports():
         for mb in microbatches:
@@ -117,7 +117,8 @@ class GRPOTrainer:
         local = dp_shard(list(range(n)), dp_rank, dp_size)
         mbs = make_microbatches([samples[i] for i in local], self.cfg.train.micro_batch_size,
                                 self.tokenizer.pad_token_id, None, self.pad_multiple,
-                                same_length=self.cfg.parallel.pp > 1, token_weights=[weights[i] for i in local])
+                                same_length=self.cfg.parallel.pp > 1, token_weights=[weights[i] for i in local],
+                                cp_rank=mpu.get_context_parallel_rank(), cp_size=self.cfg.parallel.cp)
         for key, actor in (("old_logp", self.actor), ("ref_logp", self.ref)):
             if actor is not None:
                 logps = actor.logprobs(mbs)

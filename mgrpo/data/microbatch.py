@@ -13,15 +13,23 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
     return items[dp_rank * n: (dp_rank + 1) * n]
 
 
+SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "token_weight", "position_ids")
+
+
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
-                      pad_to_multiple: int = 1, same_length: bool = False, token_weights=None) -> list:
+                      pad_to_multiple: int = 1, same_length: bool = False, token_weights=None,
+                      cp_rank: int = 0, cp_size: int = 1) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
     loss_mask [b, L] aligned with the logits, advantages, rollout_logp and token_weight [b, L] (the
     aggregation weights of `mgrpo.loss.aggregation.token_weights`), and `sample_index`.
 
     `same_length` pads every micro-batch to the longest one: megatron's pipeline p2p on gloo mis-pairs the
     shape exchange of variable-length micro-batches under the interleaved schedule, so PP > 1 uses it.
+    With cp_size > 1 the length is padded to a multiple of 2 x cp and every per-token tensor keeps only this
+    rank's zigzag chunks (targets are shifted on the full sequence first); megatron slices RoPE itself.
     """
+    if cp_size > 1:
+        pad_to_multiple = pad_to_multiple * 2 * cp_size
     out = []
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     for start in range(0, len(samples), micro_batch_size):
@@ -49,13 +57,19 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
                         weight[i, p + j - 1] = token_weights[start + i][j]
             if advantages is not None:
                 adv[i] = float(advantages[start + i])
-        out.append({
+        mb = {
             "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask, "rollout_logp": rollout_logp,
-            "token_weight": weight.float(),
-            "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
+            "token_weight": weight.float(), "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
-            "sample_index": list(range(start, start + b)),
-        })
+            "sample_index": list(range(start, start + b)), "cp_size": cp_size,
+        }
+        if cp_size > 1:
+            from mgrpo.parallel.context_parallel import split_for_cp
+
+            for key in SEQ_KEYS:
+                mb[key] = split_for_cp(mb[key], 1, cp_rank, cp_size)
+            mb["attention_mask"] = None  # CP attention masks causally by global position
+        out.append(mb)
     return out
 
 

@@ -1,7 +1,8 @@
 """Registries of pure functions, one signature per kind (verl style).
 
-- policy losses: fn(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None)
-  -> (per_token_loss, metrics); aggregation over tokens is separate (see aggregation.py).
+- policy losses: fn(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None, seq_sum=None)
+  -> (per_token_loss, metrics); aggregation over tokens is separate (see aggregation.py); `seq_sum` sums a
+  [B, L] tensor per sequence, across CP ranks when the sequence is split.
 - advantages: fn(rewards [N], group_ids [N], cfg) -> [N]
 """
 from __future__ import annotations
@@ -26,7 +27,10 @@ register_advantage = _register(_ADVANTAGE, "advantage")
 
 
 def _get(table, kind, name):
-    from mgrpo.loss import advantages, policy  # noqa: F401  (built-ins register on import)
+    import importlib
+
+    for module in ("mgrpo.loss.advantages", "mgrpo.loss.policy"):  # built-ins register on import
+        importlib.import_module(module)
 
     if name not in table:
         raise KeyError(f"{kind} {name!r} is not registered; known: {', '.join(sorted(table))}")

@@ -69,6 +69,10 @@ def layer_spec(config, use_te: Optional[bool] = None):
     sub = spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
+    if config.context_parallel_size > 1:  # megatron's local attention refuses CP without TE
+        from mgrpo.models.cp_attention import CPDotProductAttention
+
+        sub.self_attention.submodules.core_attention = CPDotProductAttention
     if config.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = QKRMSNorm
         sub.self_attention.submodules.k_layernorm = QKRMSNorm

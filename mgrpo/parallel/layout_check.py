@@ -50,7 +50,8 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
                                                                     cfg.rollout.max_tokens)
     pad = cfg.parallel.tp if cfg.parallel.sp else 1
     mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1,
-                            token_weights=[weights[i] for i in idx])
+                            token_weights=[weights[i] for i in idx], cp_rank=mpu.get_context_parallel_rank(),
+                            cp_size=cfg.parallel.cp)
     for mb in mbs:
         mb["old_logp"] = mb["rollout_logp"]
     stats = actor.forward_backward(mbs)

@@ -28,5 +28,7 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
     data = [iter(microbatches) for _ in model_chunks] if vpp else iter(microbatches)
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=data, model=model_chunks if vpp else model_chunks[0],
-        num_microbatches=len(microbatches), seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
+        num_microbatches=len(microbatches),
+        # megatron divides seq_length by cp to size p2p buffers: give it the full (pre-split) length
+        seq_length=max(mb["input_ids"].shape[1] * mb.get("cp_size", 1) for mb in microbatches),
         micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches), forward_only=forward_only)

@@ -58,10 +58,13 @@ def _gather_group(group: list, tp_group, tp: int) -> list:
     parts_of = {}
     for dtype in {local.dtype for local, _ in group}:
         members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
-        flat = torch.cat([local.reshape(-1) for _, local in members])
-        gathered = torch.empty(tp * flat.numel(), dtype=dtype)
-        dist.all_gather_into_tensor(gathered, flat, group=tp_group)
-        gathered = gathered.view(tp, -1)
+        flat = torch.cat([local.reshape(-1) for _, local in members]) if len(members) > 1 else \
+            members[0][1].reshape(-1)
+        gathered = torch.empty(tp, flat.numel(), dtype=dtype, device=flat.device)
+        if dist.get_backend(tp_group) == "nccl":
+            dist.all_gather_into_tensor(gathered.view(-1), flat.contiguous(), group=tp_group)
+        else:  # gloo stages all_gather_into_tensor through one more full-size copy than this
+            dist.all_gather(list(gathered.unbind(0)), flat.contiguous(), group=tp_group)
         off = 0
         for i, local in members:
             parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(tp)]

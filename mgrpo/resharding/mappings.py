@@ -44,6 +44,18 @@ def _all_gather(local: torch.Tensor, group) -> list:
     return parts
 
 
+def _cat0(parts: list) -> torch.Tensor:
+    """torch.cat along dim 0, but a free view when the TP parts already lie back to back in one buffer (as
+    the coalesced all-gather leaves them). One part is copied, so an export never aliases a live parameter."""
+    base = parts[0]
+    step = base.numel() * base.element_size()
+    if len(parts) > 1 and all(p.is_contiguous() and p.shape == base.shape for p in parts) and all(
+            p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            and p.data_ptr() == base.data_ptr() + i * step for i, p in enumerate(parts)):
+        return base.as_strided((base.shape[0] * len(parts), *base.shape[1:]), base.stride())
+    return torch.cat(parts, 0)
+
+
 def _rows(n: int, rank: int, size: int) -> slice:
     if n % size:
         raise ValueError(f"dimension {n} is not divisible by tensor-parallel size {size}")
@@ -84,7 +96,7 @@ class Column(Mapping):
         return reader.read(self.hf_names[0], rows=_rows(reader.shape(self.hf_names[0])[0], rank, size))
 
     def unshard(self, parts):
-        return {self.hf_names[0]: torch.cat(parts, 0)}
+        return {self.hf_names[0]: _cat0(parts)}
 
 
 class Row(Mapping):
@@ -119,7 +131,7 @@ class Vocab(Mapping):
         return out
 
     def unshard(self, parts):
-        return {self.hf_names[0]: torch.cat(parts, 0)[: self.vocab_size]}
+        return {self.hf_names[0]: _cat0(parts)[: self.vocab_size]}
 
 
 @dataclass
@@ -151,7 +163,7 @@ class QKV(Mapping):
         return torch.cat(parts, 1).reshape(-1, *tail)
 
     def unshard(self, parts):
-        full = torch.cat(parts, 0)
+        full = _cat0(parts)
         hpg = self.num_heads // self.num_groups
         tail = full.shape[1:]
         grouped = full.reshape(self.num_groups, (hpg + 2) * self.head_dim, *tail)

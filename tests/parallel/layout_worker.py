@@ -31,7 +31,7 @@ def layout_args(spec: str) -> list:
 
             name = part[len("loss_"):]
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
-        elif part.startswith("wrongshard") or part.startswith("dp"):
+        elif part in ("wrongshard", "localseq", "nozigzag") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
@@ -54,6 +54,22 @@ def swap_proj_shards(actor):
     dist.all_gather(parts, w.detach().contiguous(), group=group)
     with torch.no_grad():
         w.copy_(parts[(mpu.get_tensor_model_parallel_rank() + 1) % len(parts)])
+
+
+def per_rank_seq_sum(actor):
+    """Negative control: sequence-level ratios reduced per CP rank instead of across the CP group."""
+    actor.seq_sum = lambda x: x.sum(-1)
+
+
+def contiguous_cp_split(actor):
+    """Negative control: contiguous CP chunks while attention and RoPE assume megatron's zigzag layout."""
+    import mgrpo.parallel.context_parallel as cp
+
+    def contiguous(seq_len, cp_rank, cp_size, device=None):
+        n = seq_len // cp_size
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
+
+    cp.zigzag_indices = contiguous  # split_for_cp looks it up at call time; the attention keeps its own copy
 
 
 def main():
@@ -80,7 +96,8 @@ def main():
             ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
             run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
         else:
-            corrupt = swap_proj_shards if "wrongshard" in spec else None
+            corrupt = {"wrongshard": swap_proj_shards, "localseq": per_rank_seq_sum,
+                       "nozigzag": contiguous_cp_split}.get(spec.rpartition("-")[2])
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
             run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to)
         if dist.get_rank() == 0:

@@ -139,7 +139,7 @@ def _reference(q, k, v):
 
 
 def _maxdiff(a, b):
-    return float((a.double() - b.double()).abs().max())
+    return float((a.detach().double() - b.detach().double()).abs().max())
 
 
 def _attn_config(tp, cp):
@@ -305,8 +305,9 @@ def _gpt_reference(parallel):
     logits = model(ids, position_ids(B, S), causal_mask(S))
     w = torch.randn(logits.shape, generator=g)
     (logits * w).sum().backward()
-    return {"state": {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}, "ids": ids, "w": w,
-            "logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+    return {"state": state, "ids": ids, "w": w, "logits": logits.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
 def _worker(out_dir):

@@ -1,6 +1,7 @@
 """The layout matrix: loss, every HF-named gradient, and the weights after one optimizer step equal the
 TP1 run's at TP2, TP2+SP, PP2, PP2xVPP2, DP2 (plain and distributed optimizer), TP2xPP2 and TP2xPP2xDP2,
-and for the loss presets / sequence-level losses (`-loss_*` tags) at DP2, TP2, PP2, PP2xVPP2 and TP2xDP2.
+for the loss presets / sequence-level losses (`-loss_*` tags) at DP2, TP2, PP2, PP2xVPP2 and TP2xDP2, and
+with context parallelism at CP2, TP2xCP2, DP2xCP2 and PP2xCP2 (ppo_clip token-mean and gspo).
 
 A fixed global batch of 8 samples with unequal lengths goes through 4 micro-batches on every rank; old
 logprobs are the TP1 model's plus noise, so PPO ratios leave the clip range and both branches are exercised.
@@ -27,9 +28,16 @@ def compare(ref: dict, got: dict, what: str) -> float:
     return worst
 
 
+NEGATIVE = ("wrongshard", "localseq", "nozigzag")
+
+
+def reference_tag(tag: str) -> str:
+    loss = next((p for p in tag.split("-") if p.startswith("loss_")), None)
+    return f"tp1-{loss}" if loss else "tp1"
+
+
 def check(out, tag):
-    loss = tag[tag.index("loss_"):] if "loss_" in tag else None
-    ref, got = load_layout(out, f"tp1-{loss}" if loss else "tp1"), load_layout(out, tag)
+    ref, got = load_layout(out, reference_tag(tag)), load_layout(out, tag)
     assert abs(got["loss"] - ref["loss"]) <= ABS, f"loss {got['loss']} vs {ref['loss']}"
     g = compare(ref["grads"], got["grads"], "grad") if got["grads"] else None
     w = compare(ref["weights"], got["weights"], "exported weight after step")
@@ -37,7 +45,7 @@ def check(out, tag):
 
 
 TRAIN_LAYOUTS = [t.rpartition(":")[2] for ts in LAUNCHES.values() for t in ts
-                 if "wrong" not in t and not t.startswith(("roundtrip", "initexport"))]
+                 if not t.endswith(NEGATIVE) and not t.startswith(("roundtrip", "initexport"))]
 
 
 @pytest.mark.parametrize("tag", TRAIN_LAYOUTS)
@@ -45,9 +53,12 @@ def test_layout_matches_tp1(layout_results, tag):
     check(layout_results, tag)
 
 
-def test_wrong_shard_is_detected(layout_results):
+@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag"])
+def test_negative_controls_are_detected(layout_results, tag):
+    """A shard from the wrong TP rank, GSPO's sequence ratio reduced per CP rank instead of across the CP
+    group, and a contiguous (not zigzag) CP split each fail the same comparison."""
     with pytest.raises(AssertionError):
-        check(layout_results, "tp2-wrongshard")
+        check(layout_results, tag)
 
 
 def test_reference_has_gradients(layout_results):
