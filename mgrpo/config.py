@@ -117,8 +117,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: str = ""
-    save_interval: int = 0
+    save_dir: str = ""  # step_XXXXXX folders (megatron dist checkpoint + HF config/tokenizer); see mgrpo/checkpoint.py
+    save_interval: int = 0  # every N steps and at the end; 0 = never
 
 
 @dataclass

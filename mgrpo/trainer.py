@@ -135,14 +135,31 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.sync_weights()
         t3 = time.perf_counter()
-        metrics = reduce_last_stage(train, [k for k in ("clip_frac", "approx_kl", "entropy") if k in train] +
-                                    [k for k in train if k.startswith("rollout_is/")], ["loss"])
+        metrics = reduce_last_stage(train, self.metric_keys(), ["loss"])
         n_tokens = sum(len(s.response_ids) for s in samples)
         raw = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         metrics.update(kl_metrics, reward_mean=float(raw.nanmean()), reward_std=float(raw[~raw.isnan()].std()),
                        response_len=n_tokens / n, grad_norm=train["grad_norm"], tokens_per_s=n_tokens / (t3 - t0),
                        time_rollout=t1 - t0, time_train=t2 - t1, time_sync=t3 - t2, weight_version=self.version)
         return metrics
+
+    def metric_keys(self) -> list:
+        """The same list on every rank (only last-stage ranks hold the values): a collective needs equal sizes."""
+        alg = self.cfg.algorithm
+        keys = ["clip_frac", "approx_kl"] + (["entropy"] if alg.entropy_coef > 0 else [])
+        if alg.rollout_is_mode:
+            kind = "clip" if alg.rollout_is_mode.endswith(("truncate", "tis")) else "mask"
+            keys += [f"rollout_is/{k}" for k in ("rollout_logp_abs_diff", "rollout_kl_k1", "rollout_kl_k3",
+                                                 "rollout_is_weight_mean", f"rollout_is_{kind}_frac")]
+        return keys
+
+    def maybe_save(self, done_steps: int) -> None:
+        c = self.cfg.checkpoint
+        if c.save_dir and c.save_interval > 0 and (done_steps % c.save_interval == 0
+                                                   or done_steps == self.cfg.train.steps):
+            from mgrpo.checkpoint import save_checkpoint
+
+            save_checkpoint(self.actor.chunks, self.cfg, done_steps, c.save_dir, self.cfg.model.path)
 
     def fit(self) -> list:
         log = RunLogger(self.cfg.logging.output_dir, self.cfg.train.steps, enabled=self.rank == 0,
@@ -153,6 +170,7 @@ class GRPOTrainer:
                 metrics = self.step(step)
                 history.append(metrics)
                 log.log(step, metrics)
+                self.maybe_save(step + 1)
         finally:
             log.close()
         return history

@@ -63,3 +63,37 @@ def test_short_run_learns_and_flipped_advantage_does_not(single_rank, tmp_path, 
     assert l_up >= f_up + 0.1
     assert l_down <= l_up - 0.1
     assert os.path.isfile(tmp_path / "up" / "run" / "metrics.jsonl")
+
+
+def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
+    """The launcher under torchrun at TP2 x PP2 with every optional loss term, a checkpoint, and its conversion."""
+    import json
+    import subprocess
+    import sys
+
+    from mgrpo.parallel.distributed import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
+           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+           "--tp", "2", "--pp", "2", "--train.steps", "2", "--model.path", str(tmp_path / "model"),
+           "--checkpoint.save_dir", str(tmp_path / "ckpt"), "--checkpoint.save_interval", "2",
+           "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
+           "--algorithm.kl_coef", "0.01", "--algorithm.entropy_coef", "0.001", "--algorithm.rollout_is_mode", "tis"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == [0, 1]
+    last = rows[-1]
+    assert last["entropy"] > 0 and last["weight_version"] == 2
+    # the engine sampled with the weights the trainer synced: its logprobs equal the trainer's old logprobs
+    assert last["rollout_is/rollout_logp_abs_diff"] < 1e-4
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "convert_to_hf.py"), "--checkpoint",
+                        str(tmp_path / "ckpt" / "step_000002"), "--output", str(out)], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out))
