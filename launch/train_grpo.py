@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
+
+# megatron-core warns at import about every optional kernel package it does not find (Apex, TE, ...)
+warnings.filterwarnings("ignore", module=r"megatron\.")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,9 +68,16 @@ def main(argv: list) -> int:
             print("\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
                   file=sys.stderr)
         return 2
+    from mgrpo.resharding.load import CheckpointError
     from mgrpo.trainer import GRPOTrainer
 
-    history = GRPOTrainer(cfg).fit()
+    try:
+        trainer = GRPOTrainer(cfg)
+    except CheckpointError as exc:  # a missing or damaged weight shard, found while loading this rank's slices
+        if denv.rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    history = trainer.fit()
     if denv.rank == 0 and history:
         k = min(5, len(history))
         first = sum(h["reward_mean"] for h in history[:k]) / k

@@ -84,14 +84,16 @@ def test_unknown_architecture(tmp_path):
 
 def run_launch(args, world_size=1):
     """The launcher as torchrun's rank 0 would start it; validation fails before any group is created."""
+    from mgrpo.parallel.distributed import free_port
+
     env = dict(os.environ, RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="1")
+               MASTER_PORT=str(free_port()))
     return subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=120)
 
 
 @pytest.mark.parametrize("case", ["tp_heads", "pp_layers", "world", "arch", "tied_pp", "yaml_key", "missing_data",
-                                  "row_without_prompt", "dp_divisible"])
+                                  "row_without_prompt", "dp_divisible", "missing_shard"])
 def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dirs):
     model = tiny_dirs("launch_qwen2", family="qwen2", num_layers=2)
     data = tmp_path / "d.jsonl"
@@ -125,6 +127,18 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     elif case == "dp_divisible":
         args, world = ["--rollout.prompts_per_step", "3", "--rollout.n", "1"], 2
         expect = "rollout.prompts_per_step x rollout.n = 3 is not divisible by data-parallel size 2"
+    elif case == "missing_shard":
+        from safetensors.torch import load_file
+
+        from mgrpo.resharding.hf_writer import write_hf_folder
+
+        sharded = tmp_path / "sharded"
+        tensors = load_file(os.path.join(model, "model.safetensors"))
+        write_hf_folder(iter(tensors.items()), str(sharded), model, max_shard_bytes=200_000)
+        shards = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))
+        os.remove(sharded / shards[-1])
+        base["model"]["path"] = str(sharded)
+        expect = f"{shards[-1]}: checkpoint shard is missing"
     r = run_launch(["--config", write_yaml(tmp_path, base), *args], world)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]

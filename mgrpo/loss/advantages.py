@@ -93,6 +93,15 @@ def _finish(adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0).float()
 
 
+def _scale(adv, mode: str, group_std, batch_source, valid):
+    """Divide by the group std, by the std of `batch_source` over the valid batch, or not at all."""
+    if mode == "group":
+        return adv / (group_std + STD_EPS)
+    if mode == "batch":
+        return adv / (_batch_std(batch_source, valid) + STD_EPS)
+    return adv
+
+
 @register_advantage("grpo")
 def grpo(rewards, group_ids, cfg):
     """(r - group mean) / (std + 1e-4), std by cfg.scale_rewards: group | batch (of rewards) | none.
@@ -103,12 +112,7 @@ def grpo(rewards, group_ids, cfg):
     mean, std, count, valid = _group_stats(rewards, group_ids)
     ok = valid & (count > 1)
     adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
-    mode = _scale_mode(cfg, "grpo")
-    if mode == "group":
-        adv = adv / (std + STD_EPS)
-    elif mode == "batch":
-        adv = adv / (_batch_std(rewards, valid) + STD_EPS)
-    return _finish(adv, ok)
+    return _finish(_scale(adv, _scale_mode(cfg, "grpo"), std, rewards, valid), ok)
 
 
 @register_advantage("rloo")
@@ -123,12 +127,7 @@ def rloo(rewards, group_ids, cfg):
     ok = valid & (count > 1)
     k = count.clamp_min(2)
     adv = torch.where(ok, (rewards - mean) * k / (k - 1), torch.zeros_like(rewards))
-    mode = _scale_mode(cfg, "rloo")
-    if mode == "group":
-        adv = adv / (std + STD_EPS)
-    elif mode == "batch":
-        adv = adv / (_batch_std(rewards, valid) + STD_EPS)
-    return _finish(adv, ok)
+    return _finish(_scale(adv, _scale_mode(cfg, "rloo"), std, rewards, valid), ok)
 
 
 @register_advantage("reinforce_plus_plus")
@@ -142,9 +141,4 @@ def reinforce_plus_plus(rewards, group_ids, cfg):
     mean, std, count, valid = _group_stats(rewards, group_ids)
     ok = valid & (count > 1)
     adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
-    mode = _scale_mode(cfg, "reinforce_plus_plus")
-    if mode == "group":
-        adv = adv / (std + STD_EPS)
-    elif mode == "batch":
-        adv = adv / (_batch_std(adv, valid) + STD_EPS)
-    return _finish(adv, ok)
+    return _finish(_scale(adv, _scale_mode(cfg, "reinforce_plus_plus"), std, adv, valid), ok)
