@@ -97,3 +97,13 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out))
+
+
+def test_kl_in_reward_step(single_rank, tmp_path, tiny_dirs):
+    """With kl_in_reward the reference policy's k1 per sequence is subtracted from the reward before advantages."""
+    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "1", "--algorithm.kl_coef", "0.1",
+                           "--algorithm.kl_in_reward", "true")
+    first = trainer.step(0)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-5), "before any update the policy is the reference"
+    second = trainer.step(1)
+    assert second["kl_ref"] != 0.0
