@@ -58,7 +58,7 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf | vllm | remote
+    engine: str = "hf"  # hf (vllm and remote are planned)
     n: int = 4  # samples per prompt (group size)
     prompts_per_step: int = 8
     temperature: float = 1.0
@@ -272,8 +272,9 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    if r.engine not in ("hf", "vllm", "remote"):
-        e.append(f"rollout.engine={r.engine!r}; use one of hf, vllm, remote")
+    if r.engine != "hf":
+        e.append(f"rollout.engine={r.engine!r} is not available in this build yet (vllm and remote engines are "
+                 f"planned); use rollout.engine=hf")
     for name in ("n", "prompts_per_step", "max_tokens"):
         if getattr(r, name) < 1:
             e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")

@@ -54,7 +54,7 @@ def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
     return out
 
 
-def sequence_kl(microbatches: list, n_local: int, offset: int, n_global: int) -> torch.Tensor:
+def sequence_kl(microbatches: list, offset: int, n_global: int) -> torch.Tensor:
     """Per-sample sum of k1 = old - ref logprob over response tokens (CP ranks add their chunks), on every rank."""
     out = torch.zeros(n_global, dtype=torch.float64)
     if _reports():
@@ -126,7 +126,7 @@ class GRPOTrainer:
                     mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
         kl_metrics = {}
         if self.ref is not None and alg.kl_in_reward:
-            seq_kl = sequence_kl(mbs, len(local), local[0], n)
+            seq_kl = sequence_kl(mbs, local[0], n)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
             kl_metrics["kl_ref"] = float(seq_kl.mean())
         adv = advantages(alg.advantage)(rewards, torch.tensor([s.group_id for s in samples]), alg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from mgrpo.resharding.mappings import QKV, Column, GatedMLP, Mapping, Replicated, Row, Vocab
+from mgrpo.resharding.mappings import QKV, GatedMLP, Mapping, Replicated, Row, Vocab
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -59,5 +59,3 @@ def chunk_mappings(chunk):
     for name, param in chunk.named_parameters():
         yield name, param, mapping_for(chunk, name, padded)
 
-
-__all__ = ["mapping_for", "chunk_mappings", "Column"]

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
-
-import torch
+from typing import Iterable, Protocol
 
 from mgrpo.rollout.types import SamplingParams
 
@@ -35,6 +33,3 @@ def make_engine(cfg, model_dir: str, tokenizer) -> "Engine":
         return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     raise NotImplementedError(f"rollout.engine={name!r} is not available yet in this build; use rollout.engine=hf")
 
-
-def engine_dtype(name: Optional[str]) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name or "float32", torch.float32)
