@@ -46,15 +46,16 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
         weight = torch.zeros(b, length, dtype=torch.float64)
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
-            p = len(s.prompt_ids)
-            for j, (tok, m) in enumerate(zip(s.response_ids, s.loss_mask)):
-                if m:  # logits at position p + j - 1 predict response token j
-                    targets[i, p + j - 1] = tok
-                    mask[i, p + j - 1] = 1.0
-                    if s.rollout_logprobs is not None:
-                        rollout_logp[i, p + j - 1] = s.rollout_logprobs[j]
-                    if token_weights is not None:
-                        weight[i, p + j - 1] = token_weights[start + i][j]
+            r = len(s.response_ids)
+            if r:  # logits at position p + j - 1 predict response token j
+                span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + r)
+                on = torch.tensor(s.loss_mask, dtype=torch.bool)
+                mask[i, span] = on.float()
+                targets[i, span] = torch.where(on, torch.tensor(s.response_ids), IGNORE_INDEX)
+                if s.rollout_logprobs is not None:
+                    rollout_logp[i, span] = torch.tensor(s.rollout_logprobs) * on
+                if token_weights is not None:
+                    weight[i, span] = torch.tensor(token_weights[start + i], dtype=torch.float64) * on
             if advantages is not None:
                 adv[i] = float(advantages[start + i])
         mb = {
