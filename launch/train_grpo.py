@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mgrpo.config import ConfigError, load_config, validate_layout  # noqa: E402
+from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_layout  # noqa: E402
 from mgrpo.data.dataset import DatasetError, read_prompt_rows  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
@@ -68,6 +68,8 @@ def main(argv: list) -> int:
             print("\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
                   file=sys.stderr)
         return 2
+    if denv.rank == 0:
+        print(describe_algorithm(cfg), flush=True)
     from mgrpo.resharding.load import CheckpointError
     from mgrpo.trainer import GRPOTrainer
 

@@ -63,25 +63,26 @@ class RolloutConfig:
     prompts_per_step: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off; the engine samples with exactly temperature/top_p/top_k, nothing from generation_config
     max_tokens: int = 32
     update_bucket_mb: int = 256  # weight-sync bucket size
 
 
 @dataclass
 class AlgorithmConfig:
-    loss_type: Optional[str] = None  # ms-swift preset: grpo | bnpo | dr_grpo | dapo | cispo (sets the next 3 + eps)
-    advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus
+    loss_type: Optional[str] = None  # ms-swift preset: grpo | bnpo | dr_grpo | dapo | cispo; fills only unset fields
+    advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus (ms-swift) | reinforce_plus_plus_baseline (verl)
     scale_rewards: Optional[str] = None  # group | batch | none; null = the estimator's default
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | gspo_token | cispo
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (over the global batch)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     epsilon_low: Optional[float] = None  # null = the policy loss's default (ppo_clip 0.2, gspo 3e-4)
     epsilon_high: Optional[float] = None  # (ppo_clip 0.2, gspo 4e-4, cispo: absolute ratio cap 5.0)
-    clip_ratio_c: Optional[float] = 3.0  # dual-clip where A < 0; null turns it off
+    clip_ratio_c: Optional[float] = None  # dual clip where A < 0 (> 1; verl uses 3.0); null = off, as ms-swift
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy (the initial weights)
     kl_estimator: str = "k3"  # k1 | k2 | k3 as a loss term
     kl_in_reward: bool = False  # subtract kl_coef * k1 (per sequence) from the reward instead
     entropy_coef: float = 0.0  # entropy bonus
-    rollout_is_mode: Optional[str] = None  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    rollout_is_mode: Optional[str] = None  # token_* | seq_geomean_* | seq_product_* with *=truncate|mask (see loss)
     rollout_is_threshold: float = 2.0
     rollout_is_lower: Optional[float] = None
 
@@ -278,11 +279,16 @@ def validate(cfg: Config) -> list[str]:
     for name in ("n", "prompts_per_step", "max_tokens"):
         if getattr(r, name) < 1:
             e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
+    if not 0 < r.top_p <= 1:
+        e.append(f"rollout.top_p={r.top_p} must be in (0, 1]; use 1.0 to turn it off")
+    if r.top_k < 0:
+        e.append(f"rollout.top_k={r.top_k} must be >= 0; use 0 to turn it off")
     if r.temperature <= 0:
         e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
     if a.scale_rewards not in (None, "group", "batch", "none"):
         e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch, none or null")
-    e += _check_algorithm_names(a)
+    names = _check_algorithm_names(a)
+    e += names or _check_algorithm_numbers(a)
     if t.steps < 1 or t.micro_batch_size < 1:
         e.append("train.steps and train.micro_batch_size must be >= 1")
     if not cfg.data.path:
@@ -297,6 +303,8 @@ def _check_algorithm_names(a) -> list:
     from mgrpo.loss.kl import _ALIASES, _KL
     from mgrpo.loss.presets import AGGREGATIONS, PRESETS
     from mgrpo.loss.registry import _ADVANTAGE, _POLICY, advantages
+    from mgrpo.loss.rollout_correction import ALIASES as IS_ALIASES
+    from mgrpo.loss.rollout_correction import MODES as IS_MODES
 
     advantages("grpo")  # loads the built-ins
     e = []
@@ -304,11 +312,41 @@ def _check_algorithm_names(a) -> list:
               ("policy_loss", a.policy_loss, list(_POLICY), False),
               ("aggregation", a.aggregation, list(AGGREGATIONS), False),
               ("kl_estimator", a.kl_estimator, list(_KL) + list(_ALIASES), False),
-              ("rollout_is_mode", a.rollout_is_mode, ["token_truncate", "token_mask", "sequence_truncate",
-                                                      "sequence_mask", "tis", "mis", "seq_tis", "seq_mis"], True)]
+              ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):
             e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
+    return e
+
+
+def _check_algorithm_numbers(a) -> list:
+    """Ranges of the resolved algorithm values; each message names the field and the fix."""
+    from mgrpo.loss.policy import resolve_epsilons
+
+    e = []
+    low, high = resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+        e.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip caps the loss at -A x c where "
+                 f"A < 0); use e.g. 3.0 (verl's value) or null to turn it off")
+    if a.policy_loss == "cispo":
+        if high is None or high <= 1:
+            e.append(f"algorithm.epsilon_high={high} is CISPO's absolute cap on the ratio and must be > 1; use e.g. "
+                     f"5.0 (or null for the default 5.0)")
+    else:
+        if low is not None and not 0 <= low < 1:
+            e.append(f"algorithm.epsilon_low={low} must be in [0, 1) (the ratio is clipped below at 1 - "
+                     f"epsilon_low); use e.g. 0.2")
+        if high is not None and high <= 0:
+            e.append(f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
+                     f"use e.g. 0.2 or 0.28")
+    if a.kl_coef < 0:
+        e.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
+                 f"reference); use 0 to turn KL off")
+    if a.rollout_is_threshold <= 0:
+        e.append(f"algorithm.rollout_is_threshold={a.rollout_is_threshold} must be > 0; use e.g. 2.0")
+    elif a.rollout_is_lower is not None and not 0 <= a.rollout_is_lower < a.rollout_is_threshold:
+        e.append(f"algorithm.rollout_is_lower={a.rollout_is_lower} must be >= 0 and below rollout_is_threshold="
+                 f"{a.rollout_is_threshold}; use e.g. 0.5 or null for no lower bound")
     return e
 
 
@@ -331,14 +369,74 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
     elif cfg.rollout.prompts_per_step * cfg.rollout.n % (world_size // mp):
         e.append(f"rollout.prompts_per_step x rollout.n = {cfg.rollout.prompts_per_step * cfg.rollout.n} is not "
                  f"divisible by data-parallel size {world_size // mp}; change prompts_per_step or n")
+    elif p.pp > 1:
+        per_dp = cfg.rollout.prompts_per_step * cfg.rollout.n // (world_size // mp)
+        mbs = min(cfg.train.micro_batch_size, per_dp)
+        if per_dp % mbs:
+            divisors = [d for d in range(1, per_dp + 1) if per_dp % d == 0 and d <= cfg.train.micro_batch_size]
+            e.append(f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank batch of "
+                     f"{per_dp} samples (prompts_per_step x n / DP); with parallel.pp > 1 every micro-batch must have "
+                     f"the same size: use a divisor such as {divisors[-1]}")
     if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
         e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
                  ".cuda() on the shared embedding); use pp=1 or an untied model")
     return e
 
 
+def _user_sources(data: dict, overrides: dict, section: str) -> dict:
+    """{field: 'yaml' | 'flag'} for the fields of `section` the user set (a flag beats the YAML)."""
+    out = {}
+    for origin, tree in (("yaml", data), ("flag", overrides)):
+        part = tree.get(section) if isinstance(tree, dict) else None
+        if isinstance(part, dict):
+            out.update({k: origin for k in part})
+    return out
+
+
+def _resolve_algorithm(cfg: Config, data: dict, overrides: dict) -> None:
+    """Fill the preset's fields the user left unset; remember where every algorithm value came from."""
+    from mgrpo.loss.presets import PRESETS, preset_values
+
+    sources = {f.name: "default" for f in dataclasses.fields(AlgorithmConfig)}
+    sources.update(_user_sources(data, overrides, "algorithm"))
+    name = cfg.algorithm.loss_type
+    if name in PRESETS:
+        values = preset_values(name, {k for k, v in sources.items() if v != "default"})
+        cfg.algorithm = dataclasses.replace(cfg.algorithm, **values)
+        sources.update({k: f"preset {name}" for k in values})
+    cfg._algorithm_sources = sources
+
+
+def describe_algorithm(cfg: Config) -> str:
+    """One line per algorithm field: its resolved value and where it came from (default, preset, yaml, flag)."""
+    from mgrpo.loss.policy import resolve_epsilons
+
+    a = cfg.algorithm
+    sources = getattr(cfg, "_algorithm_sources", {})
+    eps = dict(zip(("epsilon_low", "epsilon_high"), resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)))
+    lines = ["algorithm (value, from):"]
+    for f in dataclasses.fields(a):
+        value = getattr(a, f.name)
+        note = ""
+        if f.name in eps and value is None and eps[f.name] is not None:
+            value, note = eps[f.name], f" = {a.policy_loss}'s default"
+        lines.append(f"  {f.name:<22} {value!s:<24} ({sources.get(f.name, 'default')}{note})")
+    if a.loss_type:
+        from mgrpo.loss.presets import preset_values
+
+        for k, v in preset_values(a.loss_type).items():
+            if getattr(a, k) != v and sources.get(k) in ("yaml", "flag"):
+                lines.append(f"  note: preset {a.loss_type} would set {k}={v}; the {sources[k]} value "
+                             f"{getattr(a, k)} wins")
+    return "\n".join(lines)
+
+
 def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, check_files: bool = True) -> Config:
-    """YAML + flags -> validated Config. Raises ConfigError listing every problem."""
+    """YAML + flags -> validated Config. Raises ConfigError listing every problem.
+
+    A `loss_type` preset fills only the algorithm fields the user did not set (in YAML or by a flag); the
+    numbers are validated after that, on the values the run will use.
+    """
     flag_path, overrides = parse_overrides(list(argv or []))
     path = flag_path or path
     data: dict = {}
@@ -353,13 +451,10 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
     errors: list[str] = []
     cfg = _build(Config, _merge(data, overrides), "", errors)
     if not errors:
+        _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
         errors += validate(cfg) if check_files else [x for x in validate(cfg) if not x.startswith("data.path")]
     if errors:
         raise ConfigError(errors)
-    if cfg.algorithm.loss_type:
-        from mgrpo.loss.presets import apply_preset
-
-        cfg.algorithm = apply_preset(cfg.algorithm, cfg.algorithm.loss_type)
     return cfg
 
 

@@ -93,7 +93,8 @@ def run_launch(args, world_size=1):
 
 
 @pytest.mark.parametrize("case", ["tp_heads", "pp_layers", "world", "arch", "tied_pp", "yaml_key", "missing_data",
-                                  "row_without_prompt", "dp_divisible", "missing_shard"])
+                                  "row_without_prompt", "dp_divisible", "missing_shard", "clip_ratio_c",
+                                  "pp_micro_batch"])
 def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dirs):
     model = tiny_dirs("launch_qwen2", family="qwen2", num_layers=2)
     data = tmp_path / "d.jsonl"
@@ -127,6 +128,12 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     elif case == "dp_divisible":
         args, world = ["--rollout.prompts_per_step", "3", "--rollout.n", "1"], 2
         expect = "rollout.prompts_per_step x rollout.n = 3 is not divisible by data-parallel size 2"
+    elif case == "clip_ratio_c":
+        args, expect = ["--algorithm.clip_ratio_c", "0.8"], "algorithm.clip_ratio_c=0.8 must be > 1"
+    elif case == "pp_micro_batch":
+        args, world = ["--pp", "2", "--rollout.prompts_per_step", "4", "--rollout.n", "4",
+                       "--train.micro_batch_size", "5"], 2
+        expect = "train.micro_batch_size=5 does not divide the per-DP-rank batch of 16 samples"
     elif case == "missing_shard":
         from safetensors.torch import load_file
 
@@ -145,3 +152,76 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     assert len(lines) == 1, f"expected one line, got: {lines}"
     assert expect in lines[0], lines[0]
     assert not (tmp_path / "o").exists(), "nothing is written before validation passes"
+
+
+# ------------------------------------------------------------------ presets fill only what the user left unset
+def test_flags_beat_presets(tmp_path, data_file):
+    from mgrpo.config import describe_algorithm
+
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    cfg = load_config(argv=["--config", path, "--algorithm.loss_type", "dapo", "--algorithm.epsilon_high", "0.35",
+                            "--algorithm.aggregation", "seq-mean-token-mean"])
+    a = cfg.algorithm
+    assert (a.aggregation, a.epsilon_high, a.epsilon_low, a.policy_loss) == ("seq-mean-token-mean", 0.35, 0.2,
+                                                                             "ppo_clip")
+    text = describe_algorithm(cfg)
+    assert "epsilon_high           0.35" in text and "(flag)" in text
+    assert "epsilon_low            0.2                      (preset dapo)" in text
+    assert "kl_coef                0.0                      (default)" in text
+    cfg = load_config(argv=["--config", path, "--algorithm.loss_type", "grpo", "--algorithm.policy_loss", "gspo"])
+    assert cfg.algorithm.policy_loss == "gspo" and cfg.algorithm.aggregation == "seq-mean-token-mean"
+    assert cfg.algorithm.epsilon_low is None, "gspo keeps its own epsilons (3e-4 / 4e-4)"
+    assert "epsilon_low            0.0003                   (default = gspo's default)" in describe_algorithm(cfg)
+    # dapo's clip-higher epsilons belong to ppo_clip: a user-chosen policy loss does not inherit them
+    cfg = load_config(argv=["--config", path, "--algorithm.loss_type", "dapo", "--algorithm.policy_loss", "gspo"])
+    assert cfg.algorithm.epsilon_high is None
+
+
+def test_yaml_beats_preset_and_flag_beats_yaml(tmp_path, data_file):
+    from mgrpo.config import describe_algorithm
+
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file},
+                                 "algorithm": {"loss_type": "dapo", "epsilon_high": 0.3, "aggregation": "token-mean"}})
+    cfg = load_config(argv=["--config", path, "--algorithm.aggregation", "seq-mean-token-sum"])
+    assert cfg.algorithm.epsilon_high == 0.3 and cfg.algorithm.aggregation == "seq-mean-token-sum"
+    text = describe_algorithm(cfg)
+    assert "(yaml)" in text and "note: preset dapo would set epsilon_high=0.28; the yaml value 0.3 wins" in text
+    # untouched fields still come from the preset
+    cfg = load_config(argv=["--config", path])
+    assert cfg.algorithm.epsilon_low == 0.2 and cfg.algorithm.scale_rewards == "group"
+
+
+def test_algorithm_numbers_all_reported_at_once(tmp_path, data_file):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    with pytest.raises(ConfigError) as e:
+        load_config(argv=["--config", path, "--algorithm.clip_ratio_c", "1.0", "--algorithm.epsilon_low", "1.0",
+                          "--algorithm.epsilon_high", "-0.1", "--algorithm.kl_coef", "-0.01",
+                          "--algorithm.rollout_is_mode", "tis", "--algorithm.rollout_is_threshold", "2.0",
+                          "--algorithm.rollout_is_lower", "2.0"])
+    fields = ["clip_ratio_c=1.0", "epsilon_low=1.0", "epsilon_high=-0.1", "kl_coef=-0.01", "rollout_is_lower=2.0"]
+    assert len(e.value.errors) == len(fields)
+    for f, line in zip(fields, e.value.errors):
+        assert f"algorithm.{f}" in line and "use" in line
+    with pytest.raises(ConfigError, match=r"algorithm.epsilon_high=1.0 is CISPO's absolute cap on the ratio and must "
+                                          r"be > 1"):
+        load_config(argv=["--config", path, "--algorithm.loss_type", "cispo", "--algorithm.epsilon_high", "1.0"])
+    # the preset's own values pass, and valid numbers are not flagged
+    for preset in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+        load_config(argv=["--config", path, "--algorithm.loss_type", preset])
+    load_config(argv=["--config", path, "--algorithm.clip_ratio_c", "3.0", "--algorithm.epsilon_low", "0",
+                      "--algorithm.rollout_is_lower", "0.5"])
+
+
+def test_pp_micro_batch_must_divide_the_dp_batch(tiny_dirs, data_file, tmp_path):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    info = _info(tiny_dirs, family="qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
+    argv = ["--config", path, "--pp", "2", "--rollout.prompts_per_step", "6", "--rollout.n", "2"]
+    bad = load_config(argv=argv + ["--train.micro_batch_size", "5"])
+    errs = validate_layout(bad, info, world_size=4, cuda=False)  # DP 2: 6 samples per DP rank
+    assert errs == ["train.micro_batch_size=5 does not divide the per-DP-rank batch of 6 samples (prompts_per_step x "
+                    "n / DP); with parallel.pp > 1 every micro-batch must have the same size: use a divisor such "
+                    "as 3"]
+    for ok in ("3", "6", "8"):  # 8 > 6: one micro-batch of 6
+        assert not validate_layout(load_config(argv=argv + ["--train.micro_batch_size", ok]), info, 4, False)
+    no_pp = [a for a in argv if a not in ("--pp", "2")] + ["--rollout.n", "2", "--train.micro_batch_size", "5"]
+    assert not validate_layout(load_config(argv=no_pp), info, 2, False), "without PP a short micro-batch is fine"

@@ -8,6 +8,7 @@ DDP's average over DP x CP). Definitions match `mgrpo.loss.presets.aggregate_ref
 - token-mean: 1 / (loss tokens in the global batch)
 - seq-mean-token-mean: 1 / (sequences in the batch x loss tokens of this sequence); every sequence counts in
   the mean, one with an empty mask contributes 0 (ms-swift's `.mean()` over rows)
+- seq-mean-token-sum (verl): 1 / (sequences in the batch)
 - seq-mean-token-sum-norm (Dr. GRPO): 1 / (sequences x max_len), max_len = rollout.max_tokens, a constant
 """
 from __future__ import annotations
@@ -15,21 +16,29 @@ from __future__ import annotations
 from mgrpo.loss.presets import AGGREGATIONS
 
 
-def token_weights(samples: list, aggregation: str, max_len: int | None = None) -> list:
-    """Per sample, a list of weights aligned with `response_ids` (0 where loss_mask is 0)."""
-    n_seq = len(samples)
+def token_weights(samples: list, aggregation: str, max_len: int | None = None, include=None) -> list:
+    """Per sample, a list of weights aligned with `response_ids` (0 where loss_mask is 0).
+
+    `include` (bools, one per sample) leaves samples out of the batch entirely: weight 0 and not counted in
+    the number of sequences (samples whose reward failed are not part of the loss at all).
+    """
+    include = [True] * len(samples) if include is None else list(include)
+    kept = [s for s, ok in zip(samples, include) if ok]
+    n_seq = max(len(kept), 1)
     if aggregation == "token-mean":
-        total = sum(sum(s.loss_mask) for s in samples)
-        per = [1.0 / max(total, 1)] * n_seq
+        total = sum(sum(s.loss_mask) for s in kept)
+        per = [1.0 / max(total, 1)] * len(samples)
     elif aggregation == "seq-mean-token-mean":
         per = [1.0 / (n_seq * max(sum(s.loss_mask), 1)) for s in samples]
+    elif aggregation == "seq-mean-token-sum":
+        per = [1.0 / n_seq] * len(samples)
     elif aggregation == "seq-mean-token-sum-norm":
         if not max_len:
             raise ValueError("seq-mean-token-sum-norm needs max_len (rollout.max_tokens)")
-        per = [1.0 / (n_seq * max_len)] * n_seq
+        per = [1.0 / (n_seq * max_len)] * len(samples)
     else:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    return [[w * m for m in s.loss_mask] for w, s in zip(per, samples)]
+    return [[w * m * ok for m in s.loss_mask] for w, s, ok in zip(per, samples, include)]
 
 
 def per_microbatch_mean_weights(samples: list, micro_batch_size: int) -> list:

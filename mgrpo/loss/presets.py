@@ -3,6 +3,9 @@
 Source: the ms-swift walkthrough in ``shared/seeds/000_70fec42e8a60bc69.txt`` (``_compute_loss_and_metrics``):
 
 ==========  ==========  ===========================  =============  ==============  ==============================
+Presets fill only what the user left unset (YAML or flag): ``loss_type: dapo`` with ``epsilon_high: 0.35`` keeps
+0.35. The start-up log says where every resolved value came from (``mgrpo.config.describe_algorithm``).
+
 preset      policy      aggregation                  scale_rewards  eps low/high    seed lines (ms-swift lines)
 ==========  ==========  ===========================  =============  ==============  ==============================
 grpo        ppo_clip    seq-mean-token-mean          group          cfg             1104-1105, 1690 (L1240-1242)
@@ -30,6 +33,7 @@ Aggregation names (defined on one whole batch by ``aggregate_reference``; the di
 - ``token-mean``: ``sum_{i,t} m l / sum_{i,t} m``.
 - ``seq-mean-token-mean``: ``mean_i (sum_t m l / max(1, sum_t m))``; every sequence counts in the mean, also one with
   an empty mask (it contributes 0), as in ms-swift's ``.mean()`` over rows.
+- ``seq-mean-token-sum`` (verl's name): ``mean_i sum_t m l``; every sequence counts, long ones weigh more.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_{i,t} m l / (N * max_len)`` with the constant ``max_len`` =
   the maximum completion length (``rollout.max_tokens``), not the longest sequence of the batch.
 """
@@ -42,7 +46,7 @@ from typing import Optional
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -70,14 +74,29 @@ def resolve_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def apply_preset(cfg, name: str):
-    """A copy of ``cfg`` (dataclass or namespace) with the preset's fields set; epsilons only where it overrides."""
+PRESET_FIELDS = ("policy_loss", "aggregation", "scale_rewards", "epsilon_low", "epsilon_high")
+
+
+def preset_values(name: str, user_set=frozenset()) -> dict:
+    """The fields preset ``name`` fills, leaving out every field in ``user_set`` (set in YAML or by a flag).
+
+    The preset's epsilons belong to its policy loss: when the user picked another policy loss, they are not
+    filled (that loss's own defaults apply), so ``--algorithm.loss_type dapo --algorithm.policy_loss gspo`` never
+    runs GSPO with DAPO's 0.2 / 0.28.
+    """
     p = resolve_preset(name)
     values = {"policy_loss": p.policy_loss, "aggregation": p.aggregation, "scale_rewards": p.scale_rewards}
-    if p.epsilon_low is not None:
-        values["epsilon_low"] = p.epsilon_low
-    if p.epsilon_high is not None:
-        values["epsilon_high"] = p.epsilon_high
+    if "policy_loss" not in user_set:
+        if p.epsilon_low is not None:
+            values["epsilon_low"] = p.epsilon_low
+        if p.epsilon_high is not None:
+            values["epsilon_high"] = p.epsilon_high
+    return {k: v for k, v in values.items() if k not in user_set}
+
+
+def apply_preset(cfg, name: str, user_set=frozenset()):
+    """A copy of ``cfg`` (dataclass or namespace) with the preset's fields set, except those in ``user_set``."""
+    values = preset_values(name, user_set)
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return dataclasses.replace(cfg, **values)
     out = copy.copy(cfg)
@@ -95,6 +114,8 @@ def aggregate_reference(per_token_loss: torch.Tensor, mask: torch.Tensor, aggreg
         return masked.sum() / mask.sum().clamp_min(1)
     if aggregation == "seq-mean-token-mean":
         return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+    if aggregation == "seq-mean-token-sum":
+        return masked.sum(-1).mean()
     if aggregation == "seq-mean-token-sum-norm":
         if not max_len:
             raise ValueError("seq-mean-token-sum-norm needs max_len (the maximum completion length)")

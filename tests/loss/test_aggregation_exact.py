@@ -57,7 +57,8 @@ def test_split_invariance(setup, loss, agg):
     assert ref_grad.abs().max() > 1e-4, "the gradient must not be trivially zero"
     for size in (4, 1):
         loss, g = res[size]
-        assert abs(loss - ref_loss) <= TOL and (g - ref_grad).abs().max() <= TOL, \
+        # fp32: the loss to 1e-6 relative (seq-mean-token-sum sums tokens, so its loss is ~10 here)
+        assert abs(loss - ref_loss) <= TOL * max(1.0, abs(ref_loss)) and (g - ref_grad).abs().max() <= TOL, \
             f"{loss}/{agg}: {8 // size}x{size} differs by {(g - ref_grad).abs().max():.2e}"
 
 
