@@ -6,11 +6,18 @@ Estimators (ms-swift ``advantage_estimator``; walkthrough in ``shared/seeds``, l
 - ``grpo``: ``A_i = r_i - mean_g(r)``.
 - ``rloo``: leave-one-out baseline, ``A_i = r_i - mean_{j != i, j in g}(r_j) = (r_i - mean_g(r)) * K / (K - 1)``
   with ``K`` the number of valid members of the group.
-- ``reinforce_plus_plus``: the outcome-only REINFORCE++-baseline variant (as ms-swift implements it): the same group
+- ``reinforce_plus_plus``: ms-swift's variant of outcome-only REINFORCE++-baseline, NOT the paper's: the same group
   baseline as ``grpo``, ``A_i = r_i - mean_g(r)``, but the scale is the std of the *advantages* (not of the raw
   rewards): with ``scale_rewards='batch'`` (its default) that is ``A / (std_batch(A) + eps)``, i.e. batch-whitened
   group-centred rewards (``mean_batch(A)`` is exactly 0 because every group's centred rewards sum to 0, so nothing
   is subtracted). With ``'group'`` the group std of ``A`` equals the group std of ``r``; ``'none'`` leaves ``A``.
+  It normalises over SAMPLES; the REINFORCE++ paper and verl whiten over TOKENS (next item).
+- ``reinforce_plus_plus_baseline``: the paper's and verl's (``compute_reinforce_plus_plus_baseline_outcome_advantage``)
+  token-level whitening: ``A_i = r_i - mean_g(r)`` is given to each of the sample's loss tokens, then whitened over
+  all loss tokens of the batch, ``(A - mean_tok(A)) / sqrt(var_tok(A) + 1e-8)`` with the unbiased token variance
+  (verl's ``masked_whiten``): a long response weighs in the statistics by its length. It needs the per-sample loss
+  token counts (``lengths``); ``scale_rewards`` does not apply (the whitening is its scale). Unlike verl, a group
+  with one valid member gets ``A_i = 0`` before whitening (verl subtracts 0 there), like our other estimators.
 
 Scaling (``cfg.scale_rewards``): ``group`` divides by the group's std of rewards, ``batch`` by the std of all valid
 rewards of the batch (``reinforce_plus_plus``: std of all valid advantages), ``none`` does not scale; ``None`` (or the
@@ -28,7 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from mgrpo.loss.registry import register_advantage
+import inspect
+
+from mgrpo.loss.registry import advantages, register_advantage
 
 STD_EPS = 1e-4  # ms-swift: advantages / (std + 1e-4)
 
@@ -142,3 +151,29 @@ def reinforce_plus_plus(rewards, group_ids, cfg):
     ok = valid & (count > 1)
     adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
     return _finish(_scale(adv, _scale_mode(cfg, "reinforce_plus_plus"), std, adv, valid), ok)
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(rewards, group_ids, cfg, lengths=None):
+    """verl's REINFORCE++-baseline: group-centred rewards whitened over loss tokens (each sample weighs by its
+    `lengths` entry, its number of loss tokens; all 1 when None)."""
+    rewards, group_ids = _inputs(rewards, group_ids)
+    mean, _, count, valid = _group_stats(rewards, group_ids)
+    ok = valid & (count > 1)
+    adv = torch.where(ok, rewards - mean, torch.zeros_like(rewards))
+    w = torch.ones_like(rewards) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64).reshape(-1)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    tokens = w.sum()
+    if tokens < 2:
+        return _finish(torch.zeros_like(adv), valid)
+    mu = (w * adv).sum() / tokens
+    var = (w * (adv - mu) ** 2).sum() / tokens * tokens / (tokens - 1)
+    return _finish((adv - mu) * torch.rsqrt(var + 1e-8), valid)
+
+
+def compute_advantages(name: str, rewards, group_ids, cfg, lengths=None):
+    """Call estimator `name`, passing the per-sample loss token counts to those that take `lengths`."""
+    fn = advantages(name)
+    if lengths is not None and "lengths" in inspect.signature(fn).parameters:
+        return fn(rewards, group_ids, cfg, lengths=lengths)
+    return fn(rewards, group_ids, cfg)

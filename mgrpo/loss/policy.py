@@ -16,9 +16,10 @@ not ``cfg.kl_in_reward``; ``k`` is ``cfg.kl_estimator``, default k3 as ms-swift)
 
 Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`` lines 1082-1101, 1750-1751):
 
-- ``ppo_clip``: ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``; dual clip: where ``A < 0`` the loss is further
-  capped at ``-A * clip_ratio_c`` (``cfg.clip_ratio_c``, default 3.0, None disables). ms-swift's ``delta``
-  (``coef_1 = clamp(coef_1, max=delta)``) is the same thing for ``delta > 1 + eps_high``; it is off by default there.
+- ``ppo_clip``: ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``; dual clip (opt-in): where ``A < 0`` the loss is
+  further capped at ``-A * clip_ratio_c`` (``cfg.clip_ratio_c``; default None = off, as ms-swift's ``delta``; verl's
+  value is 3.0, ``DUAL_CLIP_VERL``). ms-swift's ``delta`` (``coef_1 = clamp(coef_1, max=delta)``) is the same thing
+  for ``delta > 1 + eps_high``. When set it applies to ``gspo`` and ``gspo_token`` too (the GSPO paper has none).
 - ``gspo``: sequence-level ratio ``s_i = exp(mean over the row's tokens of (logp - old_logp))`` in place of ``r``,
   the same clipped surrogate, with GSPO's epsilons (3e-4 / 4e-4) by default.
 - ``gspo_token``: GSPO-token, ratio ``sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]``: its value is ``s_i`` and its
@@ -26,6 +27,9 @@ Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`
 - ``cispo``: ``-sg[min(r, eps_high)] * A * logp``; ``eps_high`` is an absolute cap on the detached token ratio
   (default 5.0, ms-swift's recommendation after ScaleRL), ``eps_low`` is not used. The clipped ratio is a weight, so
   every token keeps the REINFORCE gradient ``-w A grad logp``.
+
+The log ratio is clamped to ``[-20, 20]`` before ``exp`` (verl's bound), so a token with advantage 0 and a huge
+ratio gives 0, never ``0 * inf = NaN``; where the clamp is active the token has no gradient through the ratio.
 
 Epsilons: ``cfg.epsilon_low`` / ``cfg.epsilon_high``; a value of None takes the loss's default from
 ``DEFAULT_EPSILONS``.
@@ -44,7 +48,8 @@ DEFAULT_EPSILONS = {
     "gspo_token": (3e-4, 4e-4),
     "cispo": (None, 5.0),
 }
-DEFAULT_CLIP_RATIO_C = 3.0
+DUAL_CLIP_VERL = 3.0  # verl's clip_ratio_c; ours is off unless cfg.clip_ratio_c is set
+LOG_RATIO_CLAMP = 20.0
 
 
 def resolve_epsilons(loss_name: str, epsilon_low=None, epsilon_high=None):
@@ -132,7 +137,7 @@ def _ppo_family(name, logp, old_logp, advantages, mask, cfg, ref_logp, rollout_i
     seq_sum = seq_sum or _default_seq_sum
     mask, adv, on, logp_on, log_ratio = _prepare(logp, old_logp, advantages, mask)
     eps_low, eps_high = _epsilons(cfg, name)
-    clip_c = getattr(cfg, "clip_ratio_c", DEFAULT_CLIP_RATIO_C)
+    clip_c = getattr(cfg, "clip_ratio_c", None)
     if level == "token":
         log_w = log_ratio
     else:
@@ -141,7 +146,7 @@ def _ppo_family(name, logp, old_logp, advantages, mask, cfg, ref_logp, rollout_i
             log_w = seq.expand_as(logp)
         else:  # sequence_token: value s_i, gradient through each token's logp
             log_w = logp_on - logp_on.detach() + seq.detach()
-    ratio = torch.exp(log_w)
+    ratio = torch.exp(torch.clamp(log_w, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     term, ind = _clipped_surrogate(ratio, adv, eps_low, eps_high, clip_c)
     with torch.no_grad():
         metrics = {k: _masked_mean(v.to(mask.dtype), mask) for k, v in ind.items()}
@@ -179,12 +184,14 @@ def cispo(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weigh
     _, cap = _epsilons(cfg, "cispo")
     if cap is None or cap <= 1:
         raise ValueError(f"cispo needs epsilon_high > 1: it is an absolute cap on the ratio (e.g. 5.0), got {cap}")
-    ratio = torch.exp(log_ratio).detach()
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
     weight = torch.clamp(ratio, max=cap)
     term = -weight * adv * logp_on
     with torch.no_grad():
+        capped = _masked_mean(((ratio > cap) & (adv > 0)).to(mask.dtype), mask)
         metrics = {
-            "cispo_clip_frac": _masked_mean(((ratio > cap) & (adv > 0)).to(mask.dtype), mask),
+            "clip_frac": capped,  # the name every loss reports, so the trainer's metric shows it
+            "cispo_clip_frac": capped,
             "approx_kl": _masked_mean(0.5 * log_ratio.pow(2), mask),
             "ratio_mean": _masked_mean(ratio, mask),
         }
@@ -195,5 +202,5 @@ def policy_loss_names():
     return tuple(DEFAULT_EPSILONS)
 
 
-__all__ = ["DEFAULT_EPSILONS", "DEFAULT_CLIP_RATIO_C", "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
+__all__ = ["DEFAULT_EPSILONS", "DUAL_CLIP_VERL", "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
            "policy_loss_names"]

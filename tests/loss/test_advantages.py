@@ -141,3 +141,41 @@ def test_existing_dataclass_config_works():
 
     out = advantages("grpo")([1.0, 2.0, 3.0], [0, 0, 0], AlgorithmConfig())
     assert torch.allclose(out.double(), torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) / (1 + 1e-4), atol=1e-6)
+
+
+def verl_rpp_baseline(rewards, gids, lengths):
+    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage on per-token tensors, float64: group mean
+    subtracted, the score copied to each response token, masked_whiten over all tokens (unbiased variance)."""
+    scores = torch.tensor(rewards, dtype=torch.float64)
+    groups = {}
+    for i, g in enumerate(gids):
+        groups.setdefault(g, []).append(i)
+    for g, idx in groups.items():
+        if len(idx) > 1:
+            scores[idx] = scores[idx] - scores[idx].mean()
+        else:
+            scores[idx] = 0.0  # ours: no baseline, no signal (verl subtracts 0 here)
+    L = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (L - n) for n in lengths], dtype=torch.float64)
+    tok = scores[:, None] * mask
+    mean = (tok * mask).sum() / mask.sum()
+    var = (((tok - mean) ** 2) * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
+    white = (tok - mean) * torch.rsqrt(var + 1e-8) * mask
+    return white[:, 0]
+
+
+def test_reinforce_plus_plus_baseline_is_token_level_whitening():
+    from mgrpo.loss.advantages import compute_advantages
+
+    rewards = [1.0, 0.0, 0.5, 0.0, 2.0, -1.0, 0.3, 0.9]
+    gids = [0, 0, 0, 0, 1, 1, 2, 2]
+    lengths = [3, 12, 5, 7, 1, 20, 9, 4]
+    ours = compute_advantages("reinforce_plus_plus_baseline", rewards, gids, None, lengths=lengths).double()
+    ref = verl_rpp_baseline(rewards, gids, lengths)
+    assert torch.allclose(ours, ref, atol=1e-6), (ours - ref).abs().max()
+    # ms-swift's variant normalises over samples, not tokens: with unequal lengths the two differ
+    swift = advantages("reinforce_plus_plus")(rewards, gids, types.SimpleNamespace(scale_rewards="batch")).double()
+    assert (swift - ref).abs().max() > 1e-2
+    # a failed (NaN) sample gets 0 and is out of the statistics
+    bad = compute_advantages("reinforce_plus_plus_baseline", rewards + [NAN], gids + [2], None, lengths=lengths + [50])
+    assert bad[-1] == 0 and torch.allclose(bad[:-1].double(), ref, atol=1e-6)

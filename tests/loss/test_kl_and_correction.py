@@ -2,7 +2,8 @@
 
 KL: k1 = d, k2 = 0.5 clamp(d, +-20)^2, k3 = clamp(exp(x) - x - 1, +-10) with x = clamp(-d, +-20), d = logp - ref_logp.
 The docstring's gradient claims are checked exactly on a small categorical distribution (expectations by enumeration).
-Rollout IS: rho = exp(clamp(old - rollout, +-20)); sequence ratio = geometric mean over the row's masked tokens.
+Rollout IS: rho = exp(clamp(old - rollout, +-20)); sequence ratio = geometric mean over the row's masked tokens
+(seq_geomean_*, ms-swift's sequence_*) or their product exp(clamp(sum log rho, +-20)) (seq_product_*, verl's sequence).
 """
 from __future__ import annotations
 
@@ -137,10 +138,13 @@ def ref_weights(old, roll, mask, mode, C, lower=None):
     for b in range(B):
         toks = [t for t in range(L) if mask[b, t] > 0]
         lr = {t: max(-20.0, min(20.0, float(old[b, t] - roll[b, t]))) for t in toks}
-        seq = math.exp(sum(lr.values()) / len(toks)) if toks else 1.0
+        if mode.startswith("seq_product"):
+            seq = math.exp(max(-20.0, min(20.0, sum(lr.values())))) if toks else 1.0
+        else:
+            seq = math.exp(sum(lr.values()) / len(toks)) if toks else 1.0
         for t in toks:
             rho = math.exp(lr[t])
-            basis = seq if mode.startswith("sequence") else rho
+            basis = seq if mode.startswith(("sequence", "seq_")) else rho
             if mode.endswith("truncate"):
                 W[b, t] = min(basis, C)
                 changed[b, t] = basis > C
@@ -164,7 +168,8 @@ def _batch(seed=0, spread=1.0):
     return old, roll, roll_pad, mask
 
 
-MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+MODES = ["token_truncate", "token_mask", "seq_geomean_truncate", "seq_geomean_mask", "seq_product_truncate",
+         "seq_product_mask"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -260,3 +265,56 @@ def test_rollout_empty_mask():
     for mode in MODES:
         w, m = rollout_is_weights(old, roll_pad, empty, mode)
         assert (w == 0).all() and all(torch.isfinite(v) for v in m.values())
+
+
+def test_sequence_product_is_the_likelihood_ratio_and_geomean_is_not():
+    old = torch.zeros(1, 4, dtype=DT)
+    roll = torch.log(torch.tensor([[1 / 3, 1 / 3, 1 / 3, 1.0]], dtype=DT))  # rho = 3, 3, 3, 1
+    mask = torch.tensor([[1, 1, 0, 0]], dtype=DT)
+    prod, _ = rollout_is_weights(old, roll, mask, "seq_product_truncate", threshold=100.0)
+    geo, _ = rollout_is_weights(old, roll, mask, "seq_geomean_truncate", threshold=100.0)
+    assert torch.allclose(prod, torch.tensor([[9.0, 9.0, 0, 0]], dtype=DT))  # 3 x 3: the sequence's ratio
+    assert torch.allclose(geo, torch.tensor([[3.0, 3.0, 0, 0]], dtype=DT))  # sqrt(3 x 3)
+    keep, _ = rollout_is_weights(old, roll, mask, "seq_product_mask", threshold=8.0)
+    assert (keep == 0).all(), "the product 9 is above 8: the sequence is dropped (the geometric mean 3 would stay)"
+    for swift_name, ours in [("sequence_truncate", "seq_geomean_truncate"), ("sequence_mask", "seq_geomean_mask")]:
+        assert torch.equal(rollout_is_weights(old, roll, mask, swift_name)[0],
+                           rollout_is_weights(old, roll, mask, ours)[0])
+    long_old = torch.zeros(1, 50, dtype=DT)  # 50 tokens of ratio e: the product is clamped at e^20
+    w, _ = rollout_is_weights(long_old, long_old - 1.0, torch.ones(1, 50, dtype=DT), "seq_product_truncate",
+                              threshold=1e12)
+    assert torch.allclose(w, torch.full((1, 50), math.exp(20.0), dtype=DT))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_samples_without_rollout_logprobs_are_left_out(mode):
+    """Row 1 has no rollout logprobs (the micro-batch holds zeros there): weight 1, not exp(old - 0), and out of
+    the metrics, which equal those of the batch without that row."""
+    old, roll, _, mask = _batch(seed=5, spread=0.4)
+    roll[1] = 0.0
+    has = mask.clone()
+    has[1] = 0
+    w, m = rollout_is_weights(old, roll, mask, mode, threshold=1.5, has_rollout=has)
+    assert torch.equal(w[1], mask[1]), "no correction for the row without logprobs"
+    keep = [0, 2, 3, 4]
+    w_ref, m_ref = rollout_is_weights(old[keep], roll[keep], mask[keep], mode, threshold=1.5)
+    assert torch.allclose(w[keep], w_ref, atol=TOL)
+    for k in m:
+        assert float(m[k]) == pytest.approx(float(m_ref[k]), abs=1e-12), k
+    # negative control: the zeros read as logprobs give exp(old - 0) < 1 ratios and other metrics
+    w_bad, m_bad = rollout_is_weights(old, roll, mask, mode, threshold=1.5)
+    assert not torch.equal(w_bad[1], mask[1]) or float(m_bad["rollout_logp_abs_diff"]) != pytest.approx(
+        float(m_ref["rollout_logp_abs_diff"]))
+    assert float(m_bad["rollout_logp_abs_diff"]) != pytest.approx(float(m_ref["rollout_logp_abs_diff"]))
+
+
+def test_microbatches_mark_samples_without_rollout_logprobs():
+    from mgrpo.data.microbatch import make_microbatches
+    from mgrpo.rollout.types import Sample
+
+    with_lp = Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], loss_mask=[1, 1], rollout_logprobs=[-0.5, -0.25])
+    without = Sample(prompt_ids=[1, 2], response_ids=[6, 7, 8], loss_mask=[1, 0, 1], rollout_logprobs=None)
+    mb = make_microbatches([with_lp, without], 2, 0)[0]
+    assert mb["has_rollout"][0].tolist() == [0, 0, 1, 1, 0] and mb["has_rollout"][1].tolist() == [0] * 5
+    assert mb["loss_mask"][1].tolist() == [0, 1, 0, 1, 0], "the sample still trains, only without IS correction"
+    assert mb["rollout_logp"][0, 2:4].tolist() == [-0.5, -0.25]

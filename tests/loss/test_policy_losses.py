@@ -199,10 +199,13 @@ def test_dual_clip_active_for_negative_advantages():
     assert out_nc[0, 0] > 100 and "dual_clip_frac" not in m_nc
     # row 1 (A > 0, ratio far below 1 - eps) is not clipped: gradient -A r flows
     assert (ga[1][mask[1] > 0] != 0).all()
-    # the default (attribute missing) is clip_ratio_c = 3.0
+    # the default (attribute missing, or the config's default None) is no dual clip, as ms-swift
     bare = types.SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28)
-    out_d, _ = policy_loss("ppo_clip")(logp, old, adv, mask, bare)
-    assert torch.allclose(out_d, out)
+    out_d, m_d = policy_loss("ppo_clip")(logp, old, adv, mask, bare)
+    assert torch.equal(out_d, out_nc) and "dual_clip_frac" not in m_d
+    from mgrpo.config import AlgorithmConfig
+
+    assert AlgorithmConfig().clip_ratio_c is None
 
 
 def test_metrics_are_masked_means():
@@ -400,3 +403,47 @@ def test_preset_table_and_unknown():
     ns = apply_preset(types.SimpleNamespace(policy_loss="x", aggregation="y", scale_rewards="z",
                                             epsilon_low=0.1, epsilon_high=0.1), "dr_grpo")
     assert (ns.epsilon_low, ns.epsilon_high, ns.aggregation) == (0.1, 0.1, "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_huge_ratio_with_zero_advantage_gives_no_nan(name):
+    """log ratio 800 (old logprob -800): exp overflows to inf and 0 x inf = NaN without the +-20 clamp."""
+    logp, old, ref, adv, mask, W = make_batch(seed=3)
+    old = old.clone()
+    old[0, :] = -800.0
+    adv = adv.clone()
+    adv[0] = 0.0
+    out, metrics = policy_loss(name)(logp, old, adv, mask, _cfg_for(name, clip_ratio_c=None))
+    grad = torch.autograd.grad((W * out).sum(), logp)[0]
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    assert (out[0] == 0).all(), "advantage 0: no loss, whatever the ratio"
+    assert all(torch.isfinite(v) for v in metrics.values())
+    assert torch.isnan(torch.tensor(0.0) * torch.exp(torch.tensor(800.0))), "the hazard the clamp removes"
+
+
+def test_cispo_reports_clip_frac():
+    logp, old, ref, adv, mask, W = make_batch(seed=4, spread=2.5, per_token_adv=False)
+    cfg = _cfg_for("cispo", epsilon_high=1.5)
+    _, m = policy_loss("cispo")(logp, old, adv, mask, cfg)
+    ratio = torch.exp(logp.detach() - old)
+    a = adv[:, None].expand_as(ratio)
+    expect = float((((ratio > 1.5) & (a > 0)).to(DT) * mask).sum() / mask.sum())
+    assert expect > 0 and float(m["clip_frac"]) == pytest.approx(expect)
+    assert float(m["cispo_clip_frac"]) == pytest.approx(expect)
+
+
+def test_seq_mean_token_sum_is_verls_definition():
+    """verl agg_loss 'seq-mean-token-sum': per-sequence token sums, mean over sequences (a loop reference)."""
+    from mgrpo.loss.aggregation import token_weights
+    from mgrpo.rollout.types import Sample
+
+    logp, old, ref, adv, mask, W = make_batch(seed=6)
+    out, _ = policy_loss("ppo_clip")(logp, old, adv, mask, cfg_of())
+    rows = [sum(float(out[b, t]) for t in range(out.shape[1]) if mask[b, t]) for b in range(out.shape[0])]
+    expect = sum(rows) / len(rows)
+    assert float(aggregate_reference(out, mask, "seq-mean-token-sum")) == pytest.approx(expect, abs=1e-12)
+    samples = [Sample(prompt_ids=[0], response_ids=[0] * int(mask.shape[1]), loss_mask=mask[b].int().tolist())
+               for b in range(mask.shape[0])]
+    w = torch.tensor(token_weights(samples, "seq-mean-token-sum"), dtype=DT)
+    assert float((w * out).sum()) == pytest.approx(expect, abs=1e-12)
+    assert float(aggregate_reference(out, mask, "seq-mean-token-mean")) != pytest.approx(expect)
