@@ -1,10 +1,12 @@
 """Weight export at TP2 x PP2 (4 gloo processes) on a ~450 MB fp32 model: bucketed, coalesced TP gathers vs
-one all-gather per parameter, side by side in one run, against a plain memcpy of the same bytes.
+one all-gather per parameter, side by side in one run, against a plain memcpy of the same bytes and the
+sha256 a checked transport adds (payload + manifest of the exported tensors packed in buckets).
 
     .venv/bin/python benchmarks/weight_export.py [--bucket-mb 32] [--reps 2]
 
 Figures are measured on global rank 0, which receives every full tensor (as the rollout engine's rank does).
-Peak RSS is the increase during the export, sampled every 0.5 ms.
+Peak RSS is the increase during the export, sampled every 0.5 ms. Memcpy and sha256 are best of 3, on
+rank 0 alone, after the exports (so they do not compete with the other processes for cores).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def worker(bucket_mb: int, reps: int):
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
     from mgrpo.profiling import PeakRSS
+    from mgrpo.resharding.bucket import digest, make_buckets
     from mgrpo.resharding.export import export_hf
 
     init_distributed(backend="gloo")
@@ -54,11 +57,22 @@ def worker(bucket_mb: int, reps: int):
                 times.append(time.perf_counter() - t0)
             peaks.append(mem.increase_mb)
         results[label] = {"time_s": min(times), "bytes": nbytes, "peak_rss_mb": max(peaks)}
+    # one more export, kept on rank 0 as unchecked buckets, to time the digest a checked transport would add
+    stream = export_hf(chunks, dst=0, bucket_bytes=bucket_mb << 20)
+    buckets = []
+    if dist.get_rank() == 0:
+        buckets = list(make_buckets(stream, bucket_mb << 20, version=1, checksum=False))
+    else:
+        for _ in stream:  # every rank drives the export
+            pass
+    dist.barrier()
     if dist.get_rank() == 0:
         n = results["coalesced"]["bytes"]
         src, dst = torch.randn(n // 4), torch.empty(n // 4)
         best = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
         results["memcpy"] = {"time_s": best, "bytes": n}
+        best = min(_timed(lambda: [digest(b.flat, b.manifest) for b in buckets]) for _ in range(3))
+        results["sha256"] = {"time_s": best, "bytes": sum(b.flat.numel() for b in buckets)}
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
 
@@ -90,14 +104,17 @@ def main():
     r = json.loads(lines[-1][len("RESULT "):])
     print(f"TP2 x PP2, 4 gloo processes on {os.cpu_count()} cores, bucket {args.bucket_mb} MB, "
           f"{r['coalesced']['bytes'] / 1e6:.0f} MB exported to rank 0")
-    print(f"{'variant':<12}{'time s':>10}{'GB/s':>10}{'peak RSS MB':>14}")
-    for k in ("coalesced", "per_param", "memcpy"):
+    print(f"{'variant':<12}{'time s':>10}{'GB/s':>10}{'s per GB':>10}{'peak RSS MB':>14}")
+    for k in ("coalesced", "per_param", "memcpy", "sha256"):
         v = r[k]
-        print(f"{k:<12}{v['time_s']:>10.3f}{v['bytes'] / v['time_s'] / GB:>10.3f}{v.get('peak_rss_mb', 0):>14.0f}")
-    c, p, m = (r[k]["bytes"] / r[k]["time_s"] / GB for k in ("coalesced", "per_param", "memcpy"))
+        gbps = v["bytes"] / v["time_s"] / GB
+        print(f"{k:<12}{v['time_s']:>10.3f}{gbps:>10.3f}{1 / gbps:>10.3f}{v.get('peak_rss_mb', 0):>14.0f}")
+    c, p, m, h = (r[k]["bytes"] / r[k]["time_s"] / GB for k in ("coalesced", "per_param", "memcpy", "sha256"))
     print(f"coalesced / per-parameter speed: {c / p:.2f}x; coalesced / memcpy: {c / m:.3f}")
+    print(f"sha256 (payload + manifest): {h:.3f} GB/s = {1 / h:.3f} s per GB, vs memcpy {m:.3f} GB/s = "
+          f"{1 / m:.3f} s per GB; checking would add {c / h:.2f}x the coalesced export time")
     print(f"result: export_gbps={c:.3f} per_param_gbps={p:.3f} memcpy_gbps={m:.3f} "
-          f"peak_rss_mb={r['coalesced']['peak_rss_mb']:.0f}")
+          f"peak_rss_mb={r['coalesced']['peak_rss_mb']:.0f} sha256_gbps={h:.3f} sha256_s_per_gb={1 / h:.3f}")
 
 
 if __name__ == "__main__":

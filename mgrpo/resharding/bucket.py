@@ -2,47 +2,70 @@
 
 Imports only torch, safetensors and the standard library, so rollout engines and servers decode buckets
 without importing megatron. Manifest: {version, index, count, names, dtypes, shapes, offsets, nbytes, sha256}.
+
+Every tensor starts at a multiple of ALIGN bytes, so any dtype views straight out of the flat buffer. The
+sha256 (see `digest`) covers the payload and the manifest, so a receiver that checks it also knows the names,
+shapes and offsets it is about to trust. `ManifestCheck` is the receiver's completeness check: every expected
+tensor arrives exactly once, with the expected shape and dtype.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 
+ALIGN = 64  # bytes; a multiple of every itemsize (and of a cache line), so views never land misaligned
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+_FIELDS = ("names", "dtypes", "shapes", "offsets", "nbytes")
 
 
 class BucketError(ValueError):
-    """A bucket that fails its checksum or cannot be decoded; the message names the bucket."""
+    """A bucket that fails its checksum, cannot be decoded or is not what the receiver expects; the message
+    names the bucket."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _sha256(flat: torch.Tensor) -> str:
-    return hashlib.sha256(flat.numpy().tobytes() if flat.numel() else b"").hexdigest()
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def digest(flat: torch.Tensor, manifest: dict) -> str:
+    """Hex sha256 of len(payload) (8 bytes, little endian), the payload, then the manifest without its
+    `sha256` field as canonical JSON (sorted keys, no spaces). Covering the manifest catches a changed shape,
+    name, offset or version, not only a flipped payload byte; the length prefix keeps the two parts apart."""
+    h = hashlib.sha256(flat.numel().to_bytes(8, "little"))
+    if flat.numel():
+        h.update(memoryview(flat.contiguous().numpy()))  # no copy; hashlib drops the GIL on large buffers
+    m = {k: v for k, v in manifest.items() if k != "sha256"}
+    h.update(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
 
 
 @dataclass
 class Bucket:
-    flat: torch.Tensor  # uint8, all tensors back to back
+    flat: torch.Tensor  # uint8, each tensor at an ALIGN-byte offset, zero padding between
     manifest: dict
+    # digest the last verify() checked, so ManifestCheck.add does not hash a verified bucket twice
+    verified: str | None = field(default=None, repr=False, compare=False)
 
     def tensors(self) -> Iterator[tuple]:
         """(name, tensor) views into the flat buffer."""
         m = self.manifest
-        for name, dtype, shape, off, n in zip(m["names"], m["dtypes"], m["shapes"], m["offsets"], m["nbytes"]):
+        for name, dtype, shape, off, n in zip(*(m[k] for k in _FIELDS)):
             yield name, self.flat[off: off + n].view(_DTYPES[dtype]).view(shape)
 
     @property
     def label(self) -> str:
         m = self.manifest
-        return f"bucket {m['index'] + 1}/{m['count'] or '?'} of weight version {m['version']}"
+        return f"bucket {m.get('index', -1) + 1}/{m.get('count') or '?'} of weight version {m.get('version')}"
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
@@ -50,31 +73,45 @@ class Bucket:
         return save({"flat": self.flat}, metadata={"mgrpo_manifest": json.dumps(self.manifest)})
 
     @classmethod
-    def from_bytes(cls, data: bytes, verify: bool = True) -> "Bucket":
+    def from_bytes(cls, data: bytes, verify: bool = True, require_checksum: bool = False) -> "Bucket":
+        """Decode a bucket. `verify` checks the sha256 when the bucket carries one (a bucket packed with
+        checksum=False is accepted); `require_checksum` rejects a bucket without one, for transports that
+        leave the job (HTTP, shared files) where an unchecked bucket must not be loaded."""
         from safetensors.torch import load
 
         try:
             header_len = int.from_bytes(data[:8], "little")
             manifest = json.loads(json.loads(data[8: 8 + header_len])["__metadata__"]["mgrpo_manifest"])
             flat = load(data)["flat"]
+            assert isinstance(manifest, dict), "manifest is not a JSON object"
         except Exception as exc:
             raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are "
                               f"truncated or not a bucket") from None
         bucket = cls(flat, manifest)
+        if require_checksum and not manifest.get("sha256"):
+            raise BucketError(f"{bucket.label}: carries no sha256 but this transport requires one; pack it "
+                              f"with checksum=True")
         if verify:
             bucket.verify()
         return bucket
 
-    def verify(self) -> None:
-        got = _sha256(self.flat)
-        if got != self.manifest["sha256"]:
-            raise BucketError(f"{self.label}: sha256 mismatch (expected {self.manifest['sha256'][:12]}..., got "
-                              f"{got[:12]}...); the bucket was corrupted in transit, resend it")
+    def verify(self) -> str | None:
+        """Check the sha256 over payload and manifest; return the hex digest checked (a receiver echoes it in
+        its reply), or None when the bucket carries none (packed with checksum=False: nothing to check)."""
+        want = self.manifest.get("sha256") or ""
+        if not want:
+            return None
+        got = digest(self.flat, self.manifest)
+        if got != want:
+            raise BucketError(f"{self.label}: sha256 mismatch (expected {want[:12]}..., got {got[:12]}...); the "
+                              f"bucket or its manifest was corrupted in transit, resend it")
+        self.verified = got
+        return got
 
 
 def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum: bool = True) -> Bucket:
-    """One bucket from (name, tensor) pairs (copied into a fresh flat buffer); `checksum=False` skips the
-    sha256 for transfers that never leave the job's own process group."""
+    """One bucket from (name, tensor) pairs (copied into a fresh flat buffer at ALIGN-byte offsets);
+    `checksum=False` skips the sha256 for transfers that never leave the job's own process group."""
     names, dtypes, shapes, offsets, nbytes = [], [], [], [], []
     total = 0
     for name, t in items:
@@ -82,30 +119,124 @@ def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum:
         names.append(name)
         dtypes.append(_dtype_name(t.dtype))
         shapes.append(list(t.shape))
-        offsets.append(total)
+        offsets.append(_align(total))
         nbytes.append(n)
-        total += n
+        total = offsets[-1] + n
     flat = torch.empty(total, dtype=torch.uint8)
-    for (_, t), off, n in zip(items, offsets, nbytes):
+    for (_, t), off, n, end in zip(items, offsets, nbytes, offsets[1:] + [total]):
         flat[off: off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[off + n: end].zero_()  # padding is zeroed, so equal tensors give equal digests
     manifest = dict(version=version, index=index, count=count, names=names, dtypes=dtypes, shapes=shapes,
-                    offsets=offsets, nbytes=nbytes, sha256=_sha256(flat) if checksum else "")
+                    offsets=offsets, nbytes=nbytes, sha256="")
+    if checksum:
+        manifest["sha256"] = digest(flat, manifest)
     return Bucket(flat, manifest)
 
 
 def make_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int,
                  checksum: bool = True) -> Iterator[Bucket]:
-    """Group a stream of (name, tensor) into buckets of at most `bucket_bytes` (a larger tensor goes alone).
+    """Group a stream of (name, tensor) into buckets of at most `bucket_bytes` flat bytes, alignment padding
+    included (a larger tensor goes alone).
 
     `count` in the manifest is 0 (unknown) while streaming; consumers stop when the iterator ends.
     """
     pending, size, index = [], 0, 0
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
-        if pending and size + n > bucket_bytes:
+        if pending and _align(size) + n > bucket_bytes:
             yield pack_bucket(pending, version, index, checksum=checksum)
             pending, size, index = [], 0, index + 1
         pending.append((name, t))
-        size += n
+        size = _align(size) + n
     if pending:
         yield pack_bucket(pending, version, index, checksum=checksum)
+
+
+def _layout_problem(bucket: Bucket) -> str | None:
+    """Why the manifest does not describe its flat buffer, or None: checked before any view is taken, so a
+    bad manifest fails with a message instead of a view error or a silent overlap."""
+    m, size = bucket.manifest, bucket.flat.numel()
+    cols = [m.get(k) for k in _FIELDS]
+    if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:
+        return "names/dtypes/shapes/offsets/nbytes are missing or of different lengths"
+    spans = []
+    for name, dtype, shape, off, n in zip(*cols):
+        if dtype not in _DTYPES:
+            return f"tensor {name!r} has unsupported dtype {dtype!r}"
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            return f"tensor {name!r} has a malformed shape {shape!r}"
+        want = math.prod(shape) * _DTYPES[dtype].itemsize
+        if n != want:
+            return f"tensor {name!r}: nbytes {n} != numel*itemsize {want} of shape {shape} {dtype}"
+        if not isinstance(off, int) or off < 0 or off % ALIGN or off + n > size:
+            return f"tensor {name!r}: offset {off} is not {ALIGN}-byte aligned inside the {size}-byte buffer"
+        spans.append((off, off + n, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            return f"tensors {a!r} and {b!r} overlap"
+    return None
+
+
+class ManifestCheck:
+    """Receiver-side completeness check (as NeMo-RL's `require_complete`): every expected tensor arrives
+    exactly once per weight version with the expected shape and dtype, and nothing unknown arrives. Without it
+    a renamed or dropped tensor leaves the engine silently serving stale weights.
+
+    `expected` maps name -> (shape, dtype name as in the manifest, e.g. "bfloat16"); `optional` names may
+    arrive or not (e.g. lm_head.weight of a tied model) and, unless also in `expected`, are not shape-checked.
+    """
+
+    def __init__(self, expected: dict, optional: Iterable[str] = (), receiver: str = "HF engine"):
+        self.expected = {name: (tuple(shape), dtype) for name, (shape, dtype) in expected.items()}
+        self.optional, self.receiver = set(optional), receiver
+        self.seen: dict[str, str] = {}  # name -> label of the bucket it came in
+        self.nbytes, self.buckets, self.digests = 0, 0, []
+
+    def add(self, bucket: Bucket) -> None:
+        """Check one bucket as it arrives (sha256 if it carries one and verify() has not passed it yet, then
+        layout, names, shapes, dtypes); raises BucketError at the first problem and records nothing from a
+        bucket that fails."""
+        label, who = bucket.label, self.receiver
+        m = bucket.manifest
+        sha = m.get("sha256") or None
+        if sha and bucket.verified != sha:
+            try:
+                bucket.verify()
+            except BucketError as exc:
+                raise BucketError(f"{who}: {exc}") from None
+        problem = _layout_problem(bucket)
+        if problem:
+            raise BucketError(f"{who}: {label} has an inconsistent manifest: {problem}; the sender packed it "
+                              f"wrongly or it was altered, resend it")
+        here = {}
+        for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"]):
+            if name in self.seen or name in here:
+                raise BucketError(f"{who}: tensor {name!r} arrived twice ({label}, first in "
+                                  f"{self.seen.get(name, label)}); send each tensor once per weight version")
+            if name not in self.expected and name not in self.optional:
+                raise BucketError(f"{who}: unknown tensor {name!r} ({label}); the sender's names do not match "
+                                  f"this model, fix the name mapping")
+            if name in self.expected:
+                want_shape, want_dtype = self.expected[name]
+                if tuple(shape) != want_shape or dtype != want_dtype:
+                    raise BucketError(f"{who}: tensor {name!r} ({label}) arrived as {tuple(shape)} {dtype}, "
+                                      f"expected {want_shape} {want_dtype}; sender and receiver are configured "
+                                      f"for different models")
+            here[name] = label
+        self.seen.update(here)
+        self.nbytes += sum(m["nbytes"])
+        self.buckets += 1
+        if sha:
+            self.digests.append(sha)
+
+    def finish(self) -> dict:
+        """Raise if an expected (non-optional) tensor never arrived; else a summary a receiver can reply with:
+        {"tensors", "bytes", "buckets", "digests" (of each bucket that carried one)}."""
+        missing = [n for n in self.expected if n not in self.seen and n not in self.optional]
+        if missing:
+            raise BucketError(f"{self.receiver}: {len(missing)} expected tensor(s) never arrived, e.g. "
+                              f"{', '.join(map(repr, missing[:5]))}; the sender skipped them, so the update "
+                              f"is incomplete and must be resent")
+        return {"tensors": len(self.seen), "bytes": self.nbytes, "buckets": self.buckets,
+                "digests": list(self.digests)}
