@@ -1,6 +1,7 @@
 """HF config -> megatron TransformerConfig + layer spec -> this rank's GPTModel chunks."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -79,6 +80,44 @@ def layer_spec(config, use_te: Optional[bool] = None):
     return spec
 
 
+@functools.lru_cache(maxsize=None)
+def with_bias(linear_cls: type) -> type:
+    """`linear_cls`, always built with a bias whatever config.add_bias_linear says.
+
+    Megatron's add_bias_linear puts biases on every linear (attention output and MLP alike) and add_qkv_bias
+    only on qkv, but HF's Llama has o_proj biases without MLP biases (attention_bias) and vice versa
+    (mlp_bias). Forcing bias=True on one spec entry gives exactly those; the linears still return the bias
+    separately (skip_bias_add), and attention/MLP add it as they would with add_bias_linear: the MLP before
+    its activation, the transformer layer in bias_dropout_add. Cached, so every layer shares one class.
+    """
+    def __init__(self, *args, **kwargs):
+        kwargs["bias"] = True
+        linear_cls.__init__(self, *args, **kwargs)
+
+    return type(f"Biased{linear_cls.__name__}", (linear_cls,), {"__init__": __init__, "__module__": __name__})
+
+
+def _force_bias(entry):
+    """A spec entry (a class or a ModuleSpec) whose module always has a bias."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(entry, ModuleSpec):
+        entry.module = with_bias(entry.module)
+        return entry
+    return with_bias(entry)
+
+
+def add_hf_biases(spec, info: ModelInfo):
+    """Give the layer spec the o_proj / MLP biases HF builds (q/k/v biases come from add_qkv_bias)."""
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if info.o_proj_bias:
+        attn.linear_proj = _force_bias(attn.linear_proj)
+    if info.mlp_bias:
+        mlp.linear_fc1 = _force_bias(mlp.linear_fc1)
+        mlp.linear_fc2 = _force_bias(mlp.linear_fc2)
+    return spec
+
+
 def llama3_inv_freq(rope, head_dim: int) -> torch.Tensor:
     """Llama-3.1 frequency scaling with the config's own factors (megatron hard-codes them)."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -113,7 +152,7 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
 
     info = read_model_info(model) if isinstance(model, str) else model
     config = transformer_config(info, parallel, params_dtype, **(config_overrides or {}))
-    spec = layer_spec(config)
+    spec = add_hf_biases(layer_spec(config), info)
     vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
     vocab = padded_vocab_size(info.vocab_size, make_vocab_size_divisible_by, parallel.tp)
     torch.manual_seed(seed + mpu.get_pipeline_model_parallel_rank())

@@ -35,8 +35,10 @@ class ModelInfo:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v biases (megatron's add_qkv_bias)
     rope: RopeSpec = field(default_factory=RopeSpec)
+    o_proj_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # biases on gate/up/down (Llama mlp_bias)
     raw: dict = field(default_factory=dict)
 
 
@@ -55,6 +57,18 @@ def _rope(raw: dict, path: str) -> RopeSpec:
                            f"convert the model or add the rope type to mgrpo/models/hf_config.py")
 
 
+# HF's ACT2FN maps both names to SiLU, the only activation our gated MLP computes.
+_SILU = ("silu", "swish")
+
+
+def _check_activation(raw: dict, path: str) -> None:
+    """The builder always makes a SiLU-gated MLP; any other activation would run silently as SiLU."""
+    for key in ("hidden_act", "hidden_activation"):
+        if key in raw and raw[key] not in _SILU:
+            raise ModelConfigError(f"{path}: {key}={raw[key]!r} is not supported (the MLP is always SiLU-gated); "
+                                   f"only \"silu\" models can be trained")
+
+
 def read_model_info(model_dir: str) -> ModelInfo:
     from mgrpo.models.registry import family_for_architecture
 
@@ -69,6 +83,8 @@ def read_model_info(model_dir: str) -> ModelInfo:
     family = family_for_architecture(archs[0], path)
     if raw.get("use_sliding_window"):
         raise ModelConfigError(f"{path}: use_sliding_window=true is not supported; set it to false")
+    _check_activation(raw, path)
+    biases = family.biases(raw)
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     return ModelInfo(
@@ -78,5 +94,5 @@ def read_model_info(model_dir: str) -> ModelInfo:
         head_dim=int(raw.get("head_dim") or hidden // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", family.default_qkv_bias)),
+        attention_bias=biases.qkv, o_proj_bias=biases.o_proj, mlp_bias=biases.mlp,
         rope=_rope(raw, path), raw=raw)

@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Biases:
+    """Which linears carry a bias: q/k/v, the attention output (o_proj), and the MLP (gate, up, down)."""
+    qkv: bool = False
+    o_proj: bool = False
+    mlp: bool = False
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
     architectures: tuple
-    default_qkv_bias: bool  # Qwen2 has q/k/v biases without saying so in config.json
+    # config.json -> the biases the family's HF modeling file actually builds. The modeling files disagree
+    # (Qwen2 ignores attention_bias; Llama/Qwen3 put it on o_proj too), so each family states its own rule.
+    biases: Callable[[dict], Biases]
     qk_layernorm: bool  # Qwen3 normalises q and k per head
 
 

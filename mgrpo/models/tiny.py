@@ -40,8 +40,15 @@ def train_tokenizer(vocab_size: int):
 def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hidden_size: int = 128,
                  num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, ffn_hidden_size: int = 256,
                  tie_word_embeddings: bool = False, rope_scaling: Optional[dict] = None, seed: int = 0,
-                 max_position_embeddings: int = 4096, rope_theta: float = 10000.0, dtype: str = "float32") -> str:
-    """Write config.json, model.safetensors and tokenizer files to out_dir (atomically) and return it."""
+                 max_position_embeddings: int = 4096, rope_theta: float = 10000.0, dtype: str = "float32",
+                 attention_bias: Optional[bool] = None, mlp_bias: bool = False,
+                 config_overrides: Optional[dict] = None) -> str:
+    """Write config.json, model.safetensors and tokenizer files to out_dir (atomically) and return it.
+
+    attention_bias (None: the family's default) and mlp_bias (Llama only) go to the HF config, so HF builds
+    the biases; config_overrides are written into config.json after saving, e.g. {"attention_bias": None}
+    for a Qwen2 config whose field HF ignores (its q/k/v biases exist anyway).
+    """
     import torch
     import transformers
     from transformers import PreTrainedTokenizerFast
@@ -67,6 +74,11 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
         kwargs["head_dim"] = head_dim
     if family == "llama":
         kwargs["head_dim"] = head_dim
+        kwargs["mlp_bias"] = mlp_bias
+    elif mlp_bias:
+        raise ValueError(f"mlp_bias is a Llama option; {family} MLPs never have biases")
+    if attention_bias is not None:
+        kwargs["attention_bias"] = attention_bias
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -81,6 +93,13 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        if config_overrides:
+            cfg_path = os.path.join(tmp, "config.json")
+            with open(cfg_path) as f:
+                raw = json.load(f)
+            raw.update(config_overrides)
+            with open(cfg_path, "w") as f:
+                json.dump(raw, f, indent=2)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        additional_special_tokens=["<|im_start|>"])
         fast.chat_template = CHAT_TEMPLATE

@@ -1,13 +1,17 @@
 """HF safetensors -> this rank's megatron shards, reading only the slices each rank owns."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 
 import torch
 
 from mgrpo.resharding.mappings import TensorReader
-from mgrpo.resharding.name_map import chunk_mappings
+from mgrpo.resharding.name_map import chunk_mappings, consumed_hf_names
+
+# Checkpoint tensors HF itself skips when loading (old Llama/Qwen2 saves kept rotary buffers).
+_HF_IGNORED = ("*.rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
@@ -74,11 +78,35 @@ class SafetensorsReader(TensorReader):
         return t.contiguous()
 
 
+def check_all_consumed(model_chunks: list, reader: SafetensorsReader) -> None:
+    """Fail if the checkpoint holds a tensor no parameter of the whole model reads.
+
+    Such a tensor (a bias or layer config.json does not declare) would otherwise be dropped silently and the
+    model would compute something else than HF does with the same folder. Judged against every PP stage's
+    names, so all ranks agree. A tied lm_head.weight and rotary buffers are ignored by HF too.
+    """
+    info = model_chunks[0].mgrpo_info
+    used = consumed_hf_names(model_chunks)
+    if info.tie_word_embeddings:
+        used.add("lm_head.weight")
+    unused = sorted(n for n in reader.where
+                    if n not in used and not any(fnmatch.fnmatchcase(n, pat) for pat in _HF_IGNORED))
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+        raise CheckpointError(f"{reader.hf_dir}: {len(unused)} checkpoint tensor(s) read by no parameter of the "
+                              f"{info.family} model that config.json describes: {shown}; rather than drop them "
+                              f"silently, fix config.json (e.g. attention_bias, mlp_bias, num_hidden_layers) or "
+                              f"remove them from the checkpoint")
+
+
 def load_hf(model_chunks: list, hf_dir: str) -> None:
-    """Fill every chunk's parameters from the HF folder (each rank reads only its own slices)."""
+    """Fill every chunk's parameters from the HF folder (each rank reads only its own slices).
+
+    First checks that nothing in the checkpoint goes unread (see `check_all_consumed`)."""
     from megatron.core import parallel_state as mpu
 
     reader = SafetensorsReader(hf_dir)
+    check_all_consumed(model_chunks, reader)
     rank, size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     for chunk in model_chunks:
         for name, param, mapping in chunk_mappings(chunk):

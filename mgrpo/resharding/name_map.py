@@ -24,18 +24,20 @@ def _layer_mapping(suffix: str, g: int, info) -> Mapping | None:
         "self_attention.q_layernorm.weight": lambda: Replicated((attn + "q_norm.weight",)),
         "self_attention.k_layernorm.weight": lambda: Replicated((attn + "k_norm.weight",)),
         "self_attention.linear_proj.weight": lambda: Row((attn + "o_proj.weight",)),
+        # a row-parallel bias is added once after the reduce, so every TP rank holds all of it
+        "self_attention.linear_proj.bias": lambda: Replicated((attn + "o_proj.bias",)),
         "pre_mlp_layernorm.weight": lambda: Replicated((p + "post_attention_layernorm.weight",)),
         "mlp.linear_fc1.layer_norm_weight": lambda: Replicated((p + "post_attention_layernorm.weight",)),
         "mlp.linear_fc1.weight": lambda: GatedMLP((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+        "mlp.linear_fc1.bias": lambda: GatedMLP((p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")),
         "mlp.linear_fc2.weight": lambda: Row((p + "mlp.down_proj.weight",)),
+        "mlp.linear_fc2.bias": lambda: Replicated((p + "mlp.down_proj.bias",)),
     }
     make = table.get(suffix)
     return make() if make else None
 
 
-def mapping_for(chunk, name: str, padded_vocab: int) -> Mapping:
-    """The mapping of megatron parameter `name` in `chunk` (a GPTModel)."""
-    info = chunk.mgrpo_info
+def _global_mapping(name: str, info, padded_vocab: int) -> Mapping | None:
     if name == "embedding.word_embeddings.weight":
         return Vocab(("model.embed_tokens.weight",), vocab_size=info.vocab_size, padded_size=padded_vocab)
     if name == "output_layer.weight":
@@ -43,6 +45,19 @@ def mapping_for(chunk, name: str, padded_vocab: int) -> Mapping:
         return Vocab((hf,), vocab_size=info.vocab_size, padded_size=padded_vocab)
     if name == "decoder.final_layernorm.weight":
         return Replicated(("model.norm.weight",))
+    return None
+
+
+# The non-layer parameters every model has somewhere in its pipeline.
+_GLOBAL = ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight")
+
+
+def mapping_for(chunk, name: str, padded_vocab: int) -> Mapping:
+    """The mapping of megatron parameter `name` in `chunk` (a GPTModel)."""
+    info = chunk.mgrpo_info
+    mapping = _global_mapping(name, info, padded_vocab)
+    if mapping is not None:
+        return mapping
     m = _LAYER.match(name)
     if m:
         layer = chunk.decoder.layers[int(m.group(1))]
@@ -59,3 +74,28 @@ def chunk_mappings(chunk):
     for name, param in chunk.named_parameters():
         yield name, param, mapping_for(chunk, name, padded)
 
+
+def consumed_hf_names(model_chunks) -> set:
+    """Every HF tensor name the WHOLE model reads, on any PP stage, from this rank's chunks alone.
+
+    A PP rank holds only some layers, so its own mappings cannot tell an unused checkpoint tensor from one
+    another stage reads. All decoder layers share one spec, so a local layer's parameter names, mapped at
+    every global layer index, give all layers' HF names; the embedding, final norm and (untied) lm_head are
+    read by the first or last stage, whichever stage this rank is.
+    """
+    info = model_chunks[0].mgrpo_info
+    layer = next((layer for chunk in model_chunks for layer in chunk.decoder.layers), None)
+    if layer is None:
+        raise RuntimeError("consumed_hf_names: this rank holds no decoder layer to take the layer layout from")
+    suffixes = [name for name, _ in layer.named_parameters()]
+    names = set()
+    for name in _GLOBAL:  # a tied output layer maps to embed_tokens, so lm_head is then not consumed
+        names.update(_global_mapping(name, info, 0).hf_names)
+    for g in range(info.num_hidden_layers):
+        for suffix in suffixes:
+            mapping = _layer_mapping(suffix, g, info)
+            if mapping is None:
+                raise KeyError(f"no HF mapping for megatron layer parameter {suffix!r} (family {info.family}); "
+                               f"add it to mgrpo/resharding/name_map.py")
+            names.update(mapping.hf_names)
+    return names

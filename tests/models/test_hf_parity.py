@@ -19,6 +19,21 @@ CASES = {
     "llama": dict(family="llama", vocab_size=300),
     "qwen2_tied": dict(family="qwen2", vocab_size=300, tie_word_embeddings=True),
     "llama_rope_scaled": dict(family="llama", vocab_size=300, rope_scaling=LLAMA_SCALING),
+    # HF Llama's attention_bias is on q, k, v AND o_proj; mlp_bias on gate, up and down
+    "llama_attention_bias": dict(family="llama", vocab_size=300, attention_bias=True),
+    "llama_mlp_bias": dict(family="llama", vocab_size=300, mlp_bias=True),
+    "llama_all_biases": dict(family="llama", vocab_size=300, attention_bias=True, mlp_bias=True),
+    # HF Qwen2 has q/k/v biases whatever attention_bias says (null used to read as "no biases")
+    "qwen2_attention_bias_null": dict(family="qwen2", vocab_size=300, config_overrides={"attention_bias": None}),
+    "qwen3_attention_bias": dict(family="qwen3", vocab_size=300, attention_bias=True),
+}
+# The biases each bias case's checkpoint must hold (layer 1 shown), or its parity check proves nothing.
+BIASES = {
+    "llama_attention_bias": ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    "llama_mlp_bias": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "llama_all_biases": ("self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"),
+    "qwen2_attention_bias_null": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "qwen3_attention_bias": ("self_attn.q_proj", "self_attn.o_proj"),
 }
 
 
@@ -54,6 +69,16 @@ def test_megatron_tp1_logits_equal_hf(case, single_rank, tiny_dirs):
     hf_dir = tiny_dirs(case, **CASES[case])
     ids = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(0))
     print(case, "max abs diff", assert_close(megatron_logits(hf_dir, ids, single_rank), hf_logits(hf_dir, ids)))
+
+
+@pytest.mark.parametrize("case", sorted(BIASES))
+def test_bias_cases_hold_random_biases(case, tiny_dirs):
+    """The bias parity cases only catch a dropped bias if the checkpoint has non-zero ones."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{tiny_dirs(case, **CASES[case])}/model.safetensors")
+    for module in BIASES[case]:
+        assert tensors[f"model.layers.1.{module}.bias"].abs().min() > 0, module
 
 
 def test_rope_scaling_matters_on_these_sequences(single_rank, tiny_dirs):
