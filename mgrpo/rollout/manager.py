@@ -14,7 +14,8 @@ class RolloutManager:
     def generate(self, rows: list, step: int, version: int) -> list:
         r = self.cfg.rollout
         prompts = [encode_prompt(self.tokenizer, row["messages"], self.cfg.data.apply_chat_template) for row in rows]
-        sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+        sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_tokens=r.max_tokens,
                                   seed=self.cfg.train.seed * 100003 + step)
         groups = asyncio.run(self.engine.generate(prompts, sampling))
         samples = []

@@ -11,6 +11,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
     max_tokens: int = 32
     seed: Optional[int] = None
 
