@@ -6,7 +6,8 @@ converter needs to rebuild the HF model without the original folder.
       hf/                the source config.json, generation_config.json and tokenizer files
       mgrpo_meta.json    {"mgrpo_version", "step", "layout": {tp, pp, vpp, cp, ep}, "params_dtype", "family"}
 
-The folder is written as step_XXXXXX.tmp and renamed when every rank has finished.
+The folder is written as step_XXXXXX.tmp and renamed when every rank has finished; an existing folder of the same
+step is renamed aside before and deleted after (`mgrpo.fsutil.replace_dir`), so a kill never leaves neither.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import shutil
 import torch.distributed as dist
 
 import mgrpo
+from mgrpo.fsutil import replace_dir
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.resharding.hf_writer import COPIED
 
@@ -52,8 +54,7 @@ def save_checkpoint(model_chunks, cfg, step: int, save_root: str, src_hf_dir: st
                 "layout": {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep}}
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
     dist.barrier()
     return final
 

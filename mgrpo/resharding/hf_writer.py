@@ -1,7 +1,8 @@
 """Write an HF model folder from a stream of (name, tensor): safetensors shards of a max size, the index,
 config.json, generation_config.json and tokenizer files copied from the source folder.
 
-Writes into a temporary sibling folder and renames it into place, so a crash never leaves a half folder.
+Writes into a temporary sibling folder and renames it into place (the old folder aside first, deleted last), so a
+crash never leaves a half folder, nor no folder.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import shutil
 import tempfile
 
 import torch
+
+from mgrpo.fsutil import replace_dir
 
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -82,9 +85,7 @@ def write_hf_folder(named_tensors, out_dir: str, src_hf_dir: str, max_shard_byte
             cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = dtype
             with open(cfg_path, "w") as fh:
                 json.dump(cfg, fh, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
         return index
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
