@@ -27,6 +27,7 @@ class Actor:
         self.info = chunks[0].mgrpo_info
         self.config = chunks[0].config
         self.chunks, self.optimizer = chunks, None
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
         self.seq_sum = None  # per-sequence sums across CP ranks (None: plain row sums)
         if cfg.parallel.cp > 1:
             from mgrpo.parallel.context_parallel import cp_seq_sum
@@ -88,7 +89,8 @@ class Actor:
             is_weights, stats = None, {}
             if alg.rollout_is_mode:
                 is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg,
-                                                                     seq_sum=self.seq_sum)
+                                                                     seq_sum=self.seq_sum,
+                                                                     has_rollout=mb.get("has_rollout"))
                 stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
             per_token, metrics = fn(logp, mb["old_logp"], mb["advantages"], mask, alg,
                                     ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
@@ -104,12 +106,43 @@ class Actor:
 
         return forward_backward(self.chunks, microbatches, loss_fn, forward_only=False)
 
+    def grads_finite(self) -> bool:
+        """True on every rank iff every rank's gradients are finite (one all-reduce over the world).
+
+        megatron-core 0.16's FP32 optimizer clips and steps even when the gradient norm is NaN, and its
+        mixed-precision optimizer only checks with an fp16 loss scaler: a NaN would reach the weights."""
+        import torch.distributed as dist
+
+        total, device = torch.zeros((), dtype=torch.float64), None
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None:
+                    total = total.to(g.device) + g.sum(dtype=torch.float64)
+                    device = g.device
+        flag = torch.tensor([0.0 if torch.isfinite(total) else 1.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag) == 0.0
+
     def train_step(self, microbatches: list) -> dict:
         """One optimizer step over all micro-batches; returns metrics averaged over tokens (last stage);
-        `loss` is this rank's share of the batch loss (sum over ranks = the batch loss)."""
+        `loss` is this rank's share of the batch loss (sum over ranks = the batch loss).
+
+        A step whose gradients are not finite on some rank is skipped on every rank: weights, Adam's moments
+        and step count stay as they were (`update_ok` False, `skipped_steps` counts them)."""
         stats = self.forward_backward(microbatches)
-        ok, grad_norm, _ = self.optimizer.step()
-        out = {"grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        if self.grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()
+        else:
+            ok, grad_norm = False, float("nan")
+            self.skipped_steps += 1
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
+               "skipped_steps": self.skipped_steps}
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:

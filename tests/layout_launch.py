@@ -22,7 +22,7 @@ LAUNCHES = {
         "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2",
         "tp2-loss_grpo", "pp2-vpp2-loss_grpo", "dp2-loss_dr_grpo", "pp2-loss_gspo", "dp2-loss_cispo",
         "cp2", "cp2-loss_gspo", "cp2-loss_gspo-localseq", "cp2-nozigzag"],
-    4: ["ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2",
+    4: ["nanstep:tp2-pp2", "nanstep_noguard:tp2-pp2", "ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2",
         "tp2-dp2-loss_grpo", "tp2-dp2-loss_gspo",
         "tp2-cp2", "dp2-cp2", "pp2-cp2", "tp2-cp2-loss_gspo", "dp2-cp2-loss_gspo", "pp2-cp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],

@@ -87,6 +87,9 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
     assert [row["step"] for row in rows] == [0, 1]
     last = rows[-1]
     assert last["entropy"] > 0 and last["weight_version"] == 2
+    assert "kl_ref" in last and last["kl_ref"] >= 0, "the KL loss term against the reference is reported"
+    assert last["skipped_steps"] == 0 and last["rollout_is/missing_logprob_samples"] == 0
+    assert "algorithm (value, from):" in r.stdout and "kl_coef                0.01" in r.stdout
     # the engine sampled with the weights the trainer synced: its logprobs equal the trainer's old logprobs
     assert last["rollout_is/rollout_logp_abs_diff"] < 1e-4
     out = tmp_path / "hf"
@@ -107,3 +110,26 @@ def test_kl_in_reward_step(single_rank, tmp_path, tiny_dirs):
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-5), "before any update the policy is the reference"
     second = trainer.step(1)
     assert second["kl_ref"] != 0.0
+
+
+def test_failed_rewards_train_nothing_and_metrics_stay_finite(single_rank, tmp_path, tiny_dirs):
+    """A reward that raises for some samples: those samples fail (counted), the step trains on the rest; CISPO's
+    clip fraction and the KL loss term's kl_ref are reported; no metric is NaN."""
+    import math
+
+    from mgrpo.rewards.registry import register_reward
+
+    @register_reward("_t_flaky")
+    def flaky(samples, tokenizer, **_):
+        if any(len(s.response_ids) % 3 == 0 for s in samples):
+            raise RuntimeError("judge timed out")
+        return [0.0 for _ in samples]
+
+    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "1", "--reward.funcs", "[token_fraction, _t_flaky]",
+                           "--algorithm.loss_type", "cispo", "--algorithm.kl_coef", "0.05")
+    m = trainer.step(0)
+    n = trainer.cfg.rollout.n * trainer.cfg.rollout.prompts_per_step
+    assert 0 < m["reward_failed"] < n and m["skipped_steps"] == 0
+    for key in ("clip_frac", "kl_ref", "reward_std", "reward_mean", "loss", "grad_norm"):
+        assert key in m and math.isfinite(m[key]), key
+    assert trainer.cfg.algorithm.policy_loss == "cispo"

@@ -13,14 +13,16 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
     return items[dp_rank * n: (dp_rank + 1) * n]
 
 
-SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "token_weight", "position_ids")
+SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "has_rollout", "token_weight",
+            "position_ids")
 
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
                       pad_to_multiple: int = 1, same_length: bool = False, token_weights=None,
                       cp_rank: int = 0, cp_size: int = 1) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
-    loss_mask [b, L] aligned with the logits, advantages, rollout_logp and token_weight [b, L] (the
+    loss_mask [b, L] aligned with the logits, advantages, rollout_logp, has_rollout (0 for samples whose
+    rollout_logprobs are None: their rollout_logp is not zeros to be trusted) and token_weight [b, L] (the
     aggregation weights of `mgrpo.loss.aggregation.token_weights`), and `sample_index`.
 
     `same_length` pads every micro-batch to the longest one: megatron's pipeline p2p on gloo mis-pairs the
@@ -43,6 +45,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
         mask = torch.zeros(b, length)
         adv = torch.zeros(b, length)
         rollout_logp = torch.zeros(b, length)
+        has_rollout = torch.zeros(b, length)  # 1 where the engine gave a logprob; never read rollout_logp elsewhere
         weight = torch.zeros(b, length, dtype=torch.float64)
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
@@ -54,13 +57,15 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
                 targets[i, span] = torch.where(on, torch.tensor(s.response_ids), IGNORE_INDEX)
                 if s.rollout_logprobs is not None:
                     rollout_logp[i, span] = torch.tensor(s.rollout_logprobs) * on
+                    has_rollout[i, span] = on.float()
                 if token_weights is not None:
                     weight[i, span] = torch.tensor(token_weights[start + i], dtype=torch.float64) * on
             if advantages is not None:
                 adv[i] = float(advantages[start + i])
         mb = {
-            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask, "rollout_logp": rollout_logp,
-            "token_weight": weight.float(), "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
+            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask,
+            "rollout_logp": rollout_logp, "has_rollout": has_rollout, "token_weight": weight.float(),
+            "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
             "sample_index": list(range(start, start + b)), "cp_size": cp_size,
         }

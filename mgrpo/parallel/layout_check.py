@@ -138,3 +138,73 @@ def run_init_export(cfg, model_dir: str, out_dir: str, tag: str, input_ids: torc
         for _ in stream:
             pass
     dist.barrier()
+
+
+def _state_snapshot(actor) -> dict:
+    """Every local parameter and every tensor or number of the optimizer's state, copied."""
+    out = {f"param:{i}:{n}": p.detach().clone() for i, c in enumerate(actor.chunks) for n, p in c.named_parameters()}
+
+    def walk(prefix, obj):
+        if isinstance(obj, torch.Tensor):
+            out[prefix] = obj.detach().clone()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for k, v in enumerate(obj):
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(obj, (int, float)):
+            out[prefix] = torch.tensor(obj, dtype=torch.float64)
+
+    walk("optimizer", actor.optimizer.state_dict())
+    for j, group in enumerate(actor.optimizer.param_groups):
+        out[f"lr/{j}"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+    return out
+
+
+def run_nan_step(cfg, model_dir: str, samples: list, out_dir: str, tag: str, guard: bool = True) -> None:
+    """A normal step, then a step where one micro-batch's loss is NaN, then a normal step again.
+
+    Saves per rank: whether the NaN step left parameters, optimizer state (Adam's moments, step count) and
+    learning rates bitwise unchanged, and whether the next step moved the weights and kept them finite.
+    `guard=False` turns the non-finite check off (the negative control: megatron's optimizer steps anyway).
+    """
+    from mgrpo.actor import Actor
+    from mgrpo.parallel.state import setup_model_parallel
+
+    setup_model_parallel(cfg.parallel, cfg.train.seed)
+    actor = Actor(cfg, model_dir)
+    if not guard:
+        actor.grads_finite = lambda: True
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    idx = dp_shard(list(range(len(samples))), dp_rank, dp_size)
+    weights = token_weights(samples, cfg.algorithm.aggregation, cfg.rollout.max_tokens)
+
+    def batch(poison: bool):
+        mbs = make_microbatches([samples[i] for i in idx], cfg.train.micro_batch_size, 0,
+                                [samples[i].info["advantage"] for i in idx], 1, same_length=cfg.parallel.pp > 1,
+                                token_weights=[weights[i] for i in idx])
+        for mb in mbs:
+            mb["old_logp"] = mb["rollout_logp"]
+        if poison:
+            mbs[1]["advantages"][mbs[1]["loss_mask"] > 0] = float("nan")
+        return mbs
+
+    first = actor.train_step(batch(False))
+    before = _state_snapshot(actor)
+    bad = actor.train_step(batch(True))
+    after = _state_snapshot(actor)
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    nxt = actor.train_step(batch(False))
+    final = _state_snapshot(actor)
+    params = [k for k in final if k.startswith("param:")]
+    result = {"rank": dist.get_rank(), "first_ok": first["update_ok"], "bad_ok": bad["update_ok"],
+              "bad_grad_norm": str(bad["grad_norm"]), "skipped": bad["skipped_steps"], "changed": changed[:10],
+              "n_changed": len(changed), "n_state": len(before),
+              "n_optimizer_tensors": sum(1 for k in before if k.startswith("optimizer")),
+              "next_ok": nxt["update_ok"], "next_finite": all(bool(torch.isfinite(final[k]).all()) for k in params),
+              "next_moved": any(not torch.equal(final[k], after[k]) for k in params),
+              "next_grad_norm": nxt["grad_norm"]}
+    with open(os.path.join(out_dir, f"{tag}.rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()

@@ -1,12 +1,31 @@
-"""Outcome rewards: a registry of plain functions `fn(samples, tokenizer, **kwargs) -> list[float]`.
+"""Outcome rewards: a registry of plain functions `fn(samples, tokenizer, **kwargs) -> list[float | None]`.
 
-`score()` runs the configured functions, stores each score in `sample.info['rewards']` and returns the
-weighted sum per sample. Plugins register more with `@register_reward("name")`.
+`score()` runs the configured functions, stores each score in `sample.info['rewards']` and sets the weighted
+sum per sample. What a function's value means (ms-swift's semantics, with failures made explicit):
+
+- a number: counted with its weight;
+- `None`: "not applicable to this sample", skipped in the weighted sum (a nansum); a sample where every
+  function says None gets 0;
+- NaN (or inf), or the function raising: the sample FAILED. Its reward is NaN, so the advantage estimators leave it out
+  and the trainer gives it no loss; a warning names the function and `sample.info['reward_failed']` lists it.
+  When a batched call raises, each sample is retried alone so one bad sample does not fail the others;
+- the wrong number of values (or a value that is not a number): a `RewardError` naming the function.
+
+Plugins register more with `@register_reward("name")`.
 """
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 from typing import Callable
+
+log = logging.getLogger("mgrpo.rewards")
+_FAILED = object()
+
+
+class RewardError(ValueError):
+    """A reward function broke its contract (wrong count or type of values); the message names it."""
 
 _REWARDS: dict[str, Callable] = {}
 
@@ -55,16 +74,63 @@ def response_length(samples, tokenizer, max_tokens: int = 32, **_):
     return [min(1.0, len(s.response_ids) / max_tokens) for s in samples]
 
 
+def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> list:
+    """fn's value per sample; _FAILED where it raised (a raising batch is retried one sample at a time)."""
+    try:
+        return _checked(name, fn(samples, tokenizer, **kwargs), len(samples))
+    except RewardError:
+        raise
+    except Exception as exc:
+        log.warning("reward %r raised %s: %s; scoring its %d samples one by one", name, type(exc).__name__, exc,
+                    len(samples))
+    out = []
+    for s in samples:
+        try:
+            out += _checked(name, fn([s], tokenizer, **kwargs), 1)
+        except RewardError:
+            raise
+        except Exception:
+            out.append(_FAILED)
+    return out
+
+
+def _checked(name: str, values, n: int) -> list:
+    values = list(values) if values is not None else []
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} samples; it must return "
+                          f"one value (a number, or None for 'not applicable') per sample")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+            raise RewardError(f"reward function {name!r} returned {v!r} ({type(v).__name__}); return a number, or "
+                              f"None for 'not applicable'")
+    return [None if v is None else float(v) for v in values]
+
+
 def score(samples, tokenizer, funcs: list, weights=None, kwargs=None) -> list:
+    """Weighted nansum of the reward functions per sample (NaN for a failed sample); sets `sample.reward`."""
     weights = list(weights) if weights else [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise ValueError(f"reward.weights has {len(weights)} entries for {len(funcs)} reward.funcs")
-    total = [0.0] * len(samples)
-    for name, w in zip(funcs, weights):
-        values = get_reward(name)(samples, tokenizer, **(kwargs or {}))
-        for i, (s, v) in enumerate(zip(samples, values)):
-            s.info.setdefault("rewards", {})[name] = v
-            total[i] += w * v if v is not None and not math.isnan(v) else float("nan")
-    for s, r in zip(samples, total):
-        s.reward = r
+    table = {name: _values(name, get_reward(name), samples, tokenizer, kwargs or {}) for name in funcs}
+    total = []
+    for i, s in enumerate(samples):
+        value, failed = 0.0, []
+        scores = s.info.setdefault("rewards", {})
+        for name, w in zip(funcs, weights):
+            v = table[name][i]
+            if v is _FAILED or (v is not None and not math.isfinite(v)):
+                failed.append(name)
+                scores[name] = None
+            else:
+                scores[name] = v
+                value += w * v if v is not None else 0.0
+        if failed:
+            s.info["reward_failed"] = failed
+        s.reward = float("nan") if failed else value
+        total.append(s.reward)
+    n_failed = sum(1 for s in samples if s.info.get("reward_failed"))
+    if n_failed:
+        names = sorted({n for s in samples for n in s.info.get("reward_failed", [])})
+        log.warning("%d of %d samples failed their reward (%s): they get no advantage and no loss", n_failed,
+                    len(samples), ", ".join(names))
     return total

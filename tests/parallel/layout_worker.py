@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
-from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout  # noqa: E402
+from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout, run_nan_step  # noqa: E402
 from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCHES = 8, 4
@@ -92,6 +92,8 @@ def main():
         cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES
         if mode == "roundtrip":
             run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"))
+        elif mode in ("nanstep", "nanstep_noguard"):
+            run_nan_step(cfg, args.model, samples, args.out, spec.replace(":", "-"), guard=mode == "nanstep")
         elif mode == "initexport":
             ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
             run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
