@@ -413,13 +413,17 @@ def describe_algorithm(cfg: Config) -> str:
 
     a = cfg.algorithm
     sources = getattr(cfg, "_algorithm_sources", {})
+    from mgrpo.loss.advantages import DEFAULT_SCALE_REWARDS
+
     eps = dict(zip(("epsilon_low", "epsilon_high"), resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)))
+    eps["scale_rewards"] = DEFAULT_SCALE_REWARDS.get(a.advantage)
     lines = ["algorithm (value, from):"]
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         note = ""
         if f.name in eps and value is None and eps[f.name] is not None:
-            value, note = eps[f.name], f" = {a.policy_loss}'s default"
+            owner = a.advantage if f.name == "scale_rewards" else a.policy_loss
+            value, note = eps[f.name], f" = {owner}'s default"
         lines.append(f"  {f.name:<22} {value!s:<24} ({sources.get(f.name, 'default')}{note})")
     if a.loss_type:
         from mgrpo.loss.presets import preset_values
