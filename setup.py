@@ -11,6 +11,9 @@ CPU = [
     "tqdm>=4.66",
     "psutil>=5.9",  # megatron dist_checkpointing
     "numpy>=1.26",
+    "tensorboard>=2.15",  # logging.tensorboard (its own event-file writer; no TensorFlow)
+    "wandb>=0.19",  # logging.wandb (offline mode needs no network)
+    "matplotlib>=3.8",  # report.png
 ]
 GPU = [
     "torch>=2.6",
@@ -23,6 +26,9 @@ GPU = [
     "pyyaml>=6",
     "tqdm>=4.66",
     "psutil>=5.9",
+    "tensorboard>=2.15",
+    "wandb>=0.19",
+    "matplotlib>=3.8",
 ]
 
 setup(

@@ -82,9 +82,9 @@ def main(argv: list) -> int:
     history = trainer.fit()
     if denv.rank == 0 and history:
         k = min(5, len(history))
-        first = sum(h["reward_mean"] for h in history[:k]) / k
-        last = sum(h["reward_mean"] for h in history[-k:]) / k
-        print(f"reward_mean first{k}={first:.4f} last{k}={last:.4f} "
+        first = sum(h["reward/mean"] for h in history[:k]) / k
+        last = sum(h["reward/mean"] for h in history[-k:]) / k
+        print(f"reward/mean first{k}={first:.4f} last{k}={last:.4f} "
               f"metrics={os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}")
     return 0
 

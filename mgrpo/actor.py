@@ -85,7 +85,7 @@ class Actor:
 
         def loss_fn(mb, logits):
             mask = mb["loss_mask"]
-            logp, entropy = self._logprobs(mb, logits, entropy=alg.entropy_coef > 0)
+            logp, entropy = self._logprobs(mb, logits, entropy=True)  # always logged (actor/entropy)
             is_weights, stats = None, {}
             if alg.rollout_is_mode:
                 is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg,
@@ -95,9 +95,9 @@ class Actor:
             per_token, metrics = fn(logp, mb["old_logp"], mb["advantages"], mask, alg,
                                     ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
                                     seq_sum=self.seq_sum)
-            if entropy is not None:
+            if alg.entropy_coef:
                 per_token = per_token - alg.entropy_coef * entropy * mask
-                metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp_min(1)
+            metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
             weighted = (per_token * mb["token_weight"]).sum()
             tokens = mask.sum()
             stats = {k: v.detach() * tokens for k, v in {**stats, **metrics}.items()}
@@ -142,7 +142,7 @@ class Actor:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
-               "skipped_steps": self.skipped_steps}
+               "skipped_steps": self.skipped_steps, "lr": float(self.optimizer.param_groups[0]["lr"])}
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:

@@ -123,9 +123,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "mgrpo"
+    name: Optional[str] = None  # null: wandb picks one
+    mode: Optional[str] = None  # online | offline | disabled; null: wandb's default (WANDB_MODE)
+
+
+@dataclass
 class LoggingConfig:
-    output_dir: str = "outputs/run"
+    output_dir: str = "outputs/run"  # metrics.jsonl, config.yaml, completions.jsonl, report.png, tensorboard/, wandb/
     progress_bar: bool = True
+    tensorboard: bool = False  # event files in OUTPUT_DIR/tensorboard
+    wandb: Optional[WandbConfig] = None  # e.g. {project: grpo, name: qwen7b, mode: offline}
+    completions_interval: int = 10  # completions.jsonl every N steps (and the first); 0 = never
+    completions_token_ids: bool = False  # also write prompt/response token ids
+    report: bool = True  # report.png at the end of the run (also: python -m mgrpo.report OUTPUT_DIR)
 
 
 @dataclass
@@ -291,6 +303,7 @@ def validate(cfg: Config) -> list[str]:
     e += names or _check_algorithm_numbers(a)
     if t.steps < 1 or t.micro_batch_size < 1:
         e.append("train.steps and train.micro_batch_size must be >= 1")
+    e += _check_logging(cfg.logging)
     if not cfg.data.path:
         e.append("data.path is empty; give a local .jsonl file")
     elif not os.path.isfile(cfg.data.path):
@@ -316,6 +329,24 @@ def _check_algorithm_names(a) -> list:
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):
             e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
+    return e
+
+
+def _check_logging(g) -> list:
+    import importlib.util
+
+    e = []
+    if g.completions_interval < 0:
+        e.append(f"logging.completions_interval={g.completions_interval} must be >= 0 (0 = never)")
+    if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        e.append("logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
+                 "or set logging.tensorboard=false")
+    if g.wandb is not None:
+        if g.wandb.mode not in (None, "online", "offline", "disabled"):
+            e.append(f"logging.wandb.mode={g.wandb.mode!r}; use online, offline, disabled or null")
+        if importlib.util.find_spec("wandb") is None:
+            e.append("logging.wandb is set but the wandb package is not installed; pip install wandb or remove "
+                     "logging.wandb")
     return e
 
 

@@ -1,34 +1,129 @@
-"""metrics.jsonl (one line per step, flushed) and a progress bar that shows the step's key numbers."""
+"""Where a run's numbers go: metrics.jsonl, TensorBoard, wandb (the same flat dict in every sink), a progress
+bar, completions.jsonl, config.yaml at the start and report.png at the end. Only the rank that holds the
+metrics (global rank 0) writes; the others get a disabled logger."""
 from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 
+import yaml
 from tqdm import tqdm
 
-SHOWN = {"reward_mean": "reward", "approx_kl": "kl_old", "clip_frac": "clip", "tokens_per_s": "tok/s",
-         "time_rollout": "t_roll", "time_train": "t_train", "time_sync": "t_sync"}
+SHOWN = {"reward/mean": "reward", "actor/kl_old": "kl_old", "actor/clip_frac": "clip", "perf/tokens_per_s": "tok/s"}
+
+
+class JsonlSink:
+    def __init__(self, output_dir: str):
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "w")
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """Scalars through the tensorboard package's own event-file writer (no TensorFlow, no torch wrapper)."""
+
+    def __init__(self, output_dir: str):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A wandb run in OUTPUT_DIR/wandb; `mode: offline` writes it locally with no network."""
+
+    def __init__(self, output_dir: str, wcfg, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=wcfg.project, name=wcfg.name, mode=wcfg.mode, dir=output_dir, config=config,
+                              reinit="finish_previous")
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class RunLogger:
-    def __init__(self, output_dir: str, total_steps: int, enabled: bool = True, progress_bar: bool = True):
-        self.enabled = enabled
+    def __init__(self, cfg, enabled: bool = True):
+        from mgrpo.config import to_dict
+
+        g = cfg.logging
+        self.enabled, self.cfg, self.dir = enabled, cfg, g.output_dir
         if not enabled:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.file = open(self.path, "w")
-        self.bar = tqdm(total=total_steps, desc="grpo", unit="step", dynamic_ncols=True, disable=not progress_bar)
+        os.makedirs(self.dir, exist_ok=True)
+        tmp = os.path.join(self.dir, ".config.yaml.tmp")
+        with open(tmp, "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        os.replace(tmp, os.path.join(self.dir, "config.yaml"))
+        self.sinks = [JsonlSink(self.dir)]
+        if g.tensorboard:
+            self.sinks.append(TensorBoardSink(self.dir))
+        if g.wandb is not None:
+            self.sinks.append(WandbSink(self.dir, g.wandb, to_dict(cfg)))
+        self.completions = open(os.path.join(self.dir, "completions.jsonl"), "w") if g.completions_interval else None
+        outputs = ["metrics.jsonl", "config.yaml"] + (["completions.jsonl"] if self.completions else []) + \
+            (["report.png"] if g.report else []) + (["tensorboard/"] if g.tensorboard else []) + \
+            (["wandb/"] if g.wandb is not None else [])
+        print(f"mgrpo: outputs go to {os.path.abspath(self.dir)}: {', '.join(outputs)}", file=sys.stderr, flush=True)
+        self.bar = tqdm(total=cfg.train.steps, desc="grpo", unit="step", dynamic_ncols=True,
+                        disable=not g.progress_bar)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        for sink in self.sinks:
+            sink.write(step, metrics)
         self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in SHOWN.items() if k in metrics})
         self.bar.update(1)
 
+    def log_completions(self, step: int, samples: list, advantages, tokenizer) -> None:
+        """Every completions_interval steps (and the first): texts, rewards, advantage, finish, weight version."""
+        g = self.cfg.logging
+        if not self.enabled or self.completions is None or step % g.completions_interval:
+            return
+        for s, adv in zip(samples, advantages):
+            row = {"step": step, "group": s.group_id, "prompt": tokenizer.decode(s.prompt_ids),
+                   "completion": tokenizer.decode(s.response_ids), "rewards": s.info.get("rewards", {}),
+                   "reward": s.reward, "advantage": float(adv), "finish_reason": s.finish_reason,
+                   "weight_version": s.weight_version}
+            if s.info.get("reward_failed"):
+                row["reward_failed"] = s.info["reward_failed"]
+            if g.completions_token_ids:
+                row.update(prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+            self.completions.write(json.dumps(row) + "\n")
+        self.completions.flush()
+
     def close(self) -> None:
-        if self.enabled:
-            self.bar.close()
-            self.file.close()
+        if not self.enabled:
+            return
+        self.bar.close()
+        for sink in self.sinks:
+            sink.close()
+        if self.completions:
+            self.completions.close()
+        if self.cfg.logging.report:
+            from mgrpo.report import save_report
+
+            path = save_report(self.dir)
+            print(f"mgrpo: report written to {path}", file=sys.stderr, flush=True)

@@ -1,6 +1,14 @@
-"""A step's metrics: reward statistics (never NaN), the policy loss's token-weighted means reduced from the
-last pipeline stage, and the counters that say when something was left out (failed rewards, samples without
-rollout logprobs, skipped optimizer steps)."""
+"""A step's metrics under the names verl users read (`reward/mean`, `actor/kl_old`, `timing/rollout`, ...): one
+flat dict, the same keys in every sink. Loss metrics are token-weighted means reduced from the last pipeline
+stage; reward statistics are never NaN; counters say when something was left out (failed rewards, samples
+without rollout logprobs, skipped optimizer steps).
+
+Definitions: `actor/kl_old` is the k2 estimate mean(0.5 (log pi/pi_old)^2) over loss tokens (0 while the policy
+is the rollout policy); `actor/kl_ref` is the KL to the reference (the k-estimator of the loss term, or the mean
+per-sequence k1 sum with kl_in_reward); `actor/clip_frac` the fraction of loss tokens whose ratio was clipped;
+`response_length/clip_ratio` the fraction of samples that stopped at rollout.max_tokens; `perf/tokens_per_s`
+response tokens per second of the whole step; `timing/*` seconds.
+"""
 from __future__ import annotations
 
 import math
@@ -8,6 +16,11 @@ import math
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+
+# loss-side names (actor.train_step stats) -> logged names
+_ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
+          "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
+          "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss"}
 
 
 def holds_metrics() -> bool:
@@ -29,13 +42,11 @@ def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
 
 def loss_metric_keys(alg) -> list:
     """The same list on every rank (only last-stage ranks hold the values): a collective needs equal sizes."""
-    keys = ["clip_frac", "approx_kl"]
+    keys = ["clip_frac", "approx_kl", "entropy"]
     if alg.policy_loss != "cispo":
         keys += ["clip_frac_low", "clip_frac_high"] + (["dual_clip_frac"] if alg.clip_ratio_c is not None else [])
     if alg.kl_coef > 0 and not alg.kl_in_reward:
-        keys.append("kl")  # the KL loss term against the reference, reported as kl_ref
-    if alg.entropy_coef > 0:
-        keys.append("entropy")
+        keys.append("kl")  # the KL loss term against the reference
     if alg.rollout_is_mode:
         kind = "clip" if alg.rollout_is_mode.endswith(("truncate", "tis")) else "mask"
         keys += [f"rollout_is/{k}" for k in ("rollout_logp_abs_diff", "rollout_kl_k1", "rollout_kl_k3",
@@ -43,25 +54,43 @@ def loss_metric_keys(alg) -> list:
     return keys
 
 
-def reward_stats(samples: list) -> dict:
-    """Mean and std over the samples whose reward is finite (0.0, not NaN, when there are too few)."""
+def _mean_std(values: list) -> tuple:
+    t = torch.tensor(values, dtype=torch.float64)
+    return (float(t.mean()) if values else 0.0), (float(t.std()) if len(values) > 1 else 0.0)
+
+
+def reward_metrics(samples: list, funcs: list = ()) -> dict:
+    """reward/mean and reward/std over the samples whose reward is finite (0.0, never NaN, when too few), one
+    reward/<function> mean per function over the samples it scored, and reward/failed (a count)."""
     finite = [float(s.reward) for s in samples if s.reward is not None and math.isfinite(s.reward)]
-    r = torch.tensor(finite, dtype=torch.float64)
-    return {"reward_mean": float(r.mean()) if len(finite) else 0.0,
-            "reward_std": float(r.std()) if len(finite) > 1 else 0.0,
-            "reward_failed": len(samples) - len(finite)}
+    mean, std = _mean_std(finite)
+    out = {"reward/mean": mean, "reward/std": std, "reward/failed": len(samples) - len(finite)}
+    for name in funcs:
+        vals = [s.info.get("rewards", {}).get(name) for s in samples]
+        vals = [float(v) for v in vals if v is not None and math.isfinite(v)]
+        if vals:
+            out[f"reward/{name}"] = _mean_std(vals)[0]
+    return out
+
+
+def length_metrics(samples: list) -> dict:
+    resp = [len(s.response_ids) for s in samples] or [0]
+    return {"response_length/mean": sum(resp) / len(resp), "response_length/max": max(resp),
+            "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
+            "prompt_length/mean": sum(len(s.prompt_ids) for s in samples) / max(len(samples), 1)}
 
 
 def step_metrics(cfg, samples: list, train: dict, extra: dict, timings: dict, version: int) -> dict:
-    """Everything logged for one step (a collective: every rank calls it)."""
-    metrics = reduce_last_stage(train, loss_metric_keys(cfg.algorithm), ["loss"])
-    if "kl" in metrics:
-        metrics["kl_ref"] = metrics.pop("kl")
-    n_tokens = sum(len(s.response_ids) for s in samples)
-    metrics.update(reward_stats(samples), **extra, response_len=n_tokens / max(len(samples), 1),
-                   grad_norm=train["grad_norm"], skipped_steps=train["skipped_steps"],
-                   tokens_per_s=n_tokens / max(sum(timings.values()), 1e-9), weight_version=version,
-                   **{f"time_{k}": v for k, v in timings.items()})
+    """Everything logged for one step (a collective: every rank calls it). `extra` holds already-named values."""
+    reduced = reduce_last_stage(train, loss_metric_keys(cfg.algorithm), ["loss"])
+    metrics = {_ACTOR.get(k, k): v for k, v in reduced.items()}
+    metrics.update(reward_metrics(samples, cfg.reward.funcs), **length_metrics(samples), **extra)
+    metrics.update({"actor/grad_norm": train["grad_norm"], "actor/lr": train.get("lr", 0.0),
+                    "actor/skipped_steps": train["skipped_steps"]})
+    step_time = sum(timings.values())
+    metrics.update({f"timing/{k}": v for k, v in timings.items()}, **{"timing/step": step_time})
+    metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
     if cfg.algorithm.rollout_is_mode:
         metrics["rollout_is/missing_logprob_samples"] = sum(1 for s in samples if s.rollout_logprobs is None)
+    metrics["weight_version"] = version
     return metrics

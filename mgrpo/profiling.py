@@ -37,3 +37,22 @@ class PeakRSS:
     @property
     def increase_mb(self) -> float:
         return (self.peak - self.base) / MB
+
+
+class StepTimer:
+    """Seconds per phase of a step: `with timer("rollout"): ...`; `timer.totals` maps phase -> seconds."""
+
+    def __init__(self, phases=()):
+        self.totals = {p: 0.0 for p in phases}  # phases listed up front are logged as 0 when skipped
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.totals[phase] = timer.totals.get(phase, 0.0) + time.perf_counter() - self.t0
+
+        return _Span()

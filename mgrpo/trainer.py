@@ -4,8 +4,6 @@ Rank 0 owns the rollout engine (TP/PP/DP ranks share it); samples travel to ever
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -20,6 +18,7 @@ from mgrpo.loss.kl import penalize_rewards
 from mgrpo.metrics import step_metrics
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
+from mgrpo.profiling import StepTimer
 from mgrpo.resharding.bucket import make_buckets
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
@@ -50,7 +49,7 @@ class GRPOTrainer:
         self.engine = make_engine(cfg, cfg.model.path, self.tokenizer) if self.rank == 0 else None
         self.rollout = RolloutManager(self.engine, self.tokenizer, cfg) if self.rank == 0 else None
         self.version = 0
-        self.pad_multiple = cfg.parallel.tp if cfg.parallel.sp else 1
+        self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
 
     def rollout_and_score(self, step: int) -> list:
         data = None
@@ -74,27 +73,27 @@ class GRPOTrainer:
                 pass
 
     def step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        samples = self.rollout_and_score(step)
-        t1 = time.perf_counter()
-        alg = self.cfg.algorithm
+        timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
+        with timer("rollout"):
+            samples = self.rollout_and_score(step)
         batch = build_train_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0)
         for key, actor in (("old_logp", self.actor), ("ref_logp", self.ref)):
             if actor is not None:
-                batch.set_logprobs(key, actor.logprobs(batch.microbatches))
+                with timer(key.replace("_logp", "_logprob")):
+                    batch.set_logprobs(key, actor.logprobs(batch.microbatches))
         rewards, extra = batch.rewards, {}
         if self.ref is not None and alg.kl_in_reward:
             seq_kl = sequence_kl(batch)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
-            extra["kl_ref"] = float(seq_kl[batch.valid].mean()) if batch.valid.any() else 0.0
+            extra["actor/kl_ref"] = float(seq_kl[batch.valid].mean()) if batch.valid.any() else 0.0
         adv = compute_advantages(alg.advantage, rewards, batch.group_ids, alg, lengths=batch.lengths)
         set_advantages(batch.microbatches, [adv[i] for i in batch.local])
-        train = self.actor.train_step(batch.microbatches)
-        t2 = time.perf_counter()
-        self.sync_weights()
-        t3 = time.perf_counter()
-        timings = {"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2}
-        return step_metrics(self.cfg, samples, train, extra, timings, self.version)
+        with timer("train"):
+            train = self.actor.train_step(batch.microbatches)
+        with timer("sync"):
+            self.sync_weights()
+        self.log.log_completions(step, samples, adv.tolist(), self.tokenizer)
+        return step_metrics(self.cfg, samples, train, extra, timer.totals, self.version)
 
     def maybe_save(self, done_steps: int) -> None:
         c = self.cfg.checkpoint
@@ -105,9 +104,7 @@ class GRPOTrainer:
             save_checkpoint(self.actor.chunks, self.cfg, done_steps, c.save_dir, self.cfg.model.path)
 
     def fit(self) -> list:
-        log = RunLogger(self.cfg.logging.output_dir, self.cfg.train.steps, enabled=self.rank == 0,
-                        progress_bar=self.cfg.logging.progress_bar)
-        history = []
+        log, history = self.log, []
         try:
             for step in range(self.cfg.train.steps):
                 metrics = self.step(step)

@@ -32,8 +32,8 @@ def make_trainer(tmp_path, tiny_dirs, *extra):
 
 
 def _rise(history, k=3):
-    first = sum(h["reward_mean"] for h in history[:k]) / k
-    last = sum(h["reward_mean"] for h in history[-k:]) / k
+    first = sum(h["reward/mean"] for h in history[:k]) / k
+    last = sum(h["reward/mean"] for h in history[-k:]) / k
     return first, last
 
 
@@ -86,9 +86,9 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [0, 1]
     last = rows[-1]
-    assert last["entropy"] > 0 and last["weight_version"] == 2
-    assert "kl_ref" in last and last["kl_ref"] >= 0, "the KL loss term against the reference is reported"
-    assert last["skipped_steps"] == 0 and last["rollout_is/missing_logprob_samples"] == 0
+    assert last["actor/entropy"] > 0 and last["weight_version"] == 2
+    assert "actor/kl_ref" in last and last["actor/kl_ref"] >= 0, "the KL loss term against the reference is reported"
+    assert last["actor/skipped_steps"] == 0 and last["rollout_is/missing_logprob_samples"] == 0
     assert "algorithm (value, from):" in r.stdout and "kl_coef                0.01" in r.stdout
     # the engine sampled with the weights the trainer synced: its logprobs equal the trainer's old logprobs
     assert last["rollout_is/rollout_logp_abs_diff"] < 1e-4
@@ -107,9 +107,9 @@ def test_kl_in_reward_step(single_rank, tmp_path, tiny_dirs):
     trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "1", "--algorithm.kl_coef", "0.1",
                            "--algorithm.kl_in_reward", "true")
     first = trainer.step(0)
-    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-5), "before any update the policy is the reference"
+    assert first["actor/kl_ref"] == pytest.approx(0.0, abs=1e-5), "before any update the policy is the reference"
     second = trainer.step(1)
-    assert second["kl_ref"] != 0.0
+    assert second["actor/kl_ref"] != 0.0
 
 
 def test_failed_rewards_train_nothing_and_metrics_stay_finite(single_rank, tmp_path, tiny_dirs):
@@ -129,7 +129,8 @@ def test_failed_rewards_train_nothing_and_metrics_stay_finite(single_rank, tmp_p
                            "--algorithm.loss_type", "cispo", "--algorithm.kl_coef", "0.05")
     m = trainer.step(0)
     n = trainer.cfg.rollout.n * trainer.cfg.rollout.prompts_per_step
-    assert 0 < m["reward_failed"] < n and m["skipped_steps"] == 0
-    for key in ("clip_frac", "kl_ref", "reward_std", "reward_mean", "loss", "grad_norm"):
+    assert 0 < m["reward/failed"] < n and m["actor/skipped_steps"] == 0
+    for key in ("actor/clip_frac", "actor/kl_ref", "reward/std", "reward/mean", "actor/loss",
+                "actor/grad_norm", "actor/entropy", "timing/step", "perf/tokens_per_s"):
         assert key in m and math.isfinite(m[key]), key
     assert trainer.cfg.algorithm.policy_loss == "cispo"

@@ -85,7 +85,7 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     from mgrpo.config import load_config
     from mgrpo.data.batching import build_train_batch
     from mgrpo.loss.advantages import compute_advantages
-    from mgrpo.metrics import reward_stats
+    from mgrpo.metrics import reward_metrics
 
     s = _samples()
     for x in s:
@@ -99,17 +99,18 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     assert float(mb["token_weight"][0].max()) == pytest.approx(1 / 3), "3 sequences count, not 4"
     adv = compute_advantages("grpo", batch.rewards, batch.group_ids, cfg.algorithm)
     assert adv[2] == 0 and torch.isfinite(adv).all()
-    stats = reward_stats(s)
-    assert stats == {"reward_mean": 1.0, "reward_std": 0.0, "reward_failed": 1}
+    stats = reward_metrics(s, ["_t_const", "_t_nan_for_2"])
+    assert stats == {"reward/mean": 1.0, "reward/std": 0.0, "reward/failed": 1, "reward/_t_const": 1.0,
+                     "reward/_t_nan_for_2": 0.0}
 
 
 def test_reward_std_is_never_nan():
-    from mgrpo.metrics import reward_stats
+    from mgrpo.metrics import reward_metrics
 
     one = _samples(1)
     one[0].reward = 0.5
-    assert reward_stats(one) == {"reward_mean": 0.5, "reward_std": 0.0, "reward_failed": 0}
+    assert reward_metrics(one) == {"reward/mean": 0.5, "reward/std": 0.0, "reward/failed": 0}
     bad = _samples(2)
     for x in bad:
         x.reward = float("nan")
-    assert reward_stats(bad) == {"reward_mean": 0.0, "reward_std": 0.0, "reward_failed": 2}
+    assert reward_metrics(bad) == {"reward/mean": 0.0, "reward/std": 0.0, "reward/failed": 2}

@@ -1,0 +1,90 @@
+"""Every sink gets the same keys: metrics.jsonl, TensorBoard event files (read back with TensorBoard's own reader)
+and a wandb offline run (read back from its .wandb file); plus config.yaml, completions.jsonl and report.png."""
+import json
+import os
+
+import pytest
+import yaml
+
+from wandb_offline import read_history
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 2
+EXPECTED = ["reward/mean", "reward/std", "reward/token_fraction", "response_length/mean", "response_length/max",
+            "response_length/clip_ratio", "prompt_length/mean", "actor/entropy", "actor/kl_old", "actor/kl_ref",
+            "actor/clip_frac", "actor/clip_frac_low", "actor/clip_frac_high", "actor/grad_norm", "actor/lr",
+            "actor/loss", "perf/tokens_per_s", "timing/rollout", "timing/old_logprob", "timing/ref_logprob",
+            "timing/train", "timing/sync", "timing/step", "weight_version"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(single_rank, tiny_dirs, tmp_path_factory):
+    from mgrpo.config import load_config
+    from mgrpo.trainer import GRPOTrainer
+
+    out = tmp_path_factory.mktemp("logging") / "run"
+    model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
+    os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
+        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+        "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", str(STEPS),
+        "--logging.tensorboard", "true", "--logging.wandb.mode", "offline", "--logging.wandb.project", "mgrpo-test",
+        "--logging.completions_interval", "1", "--algorithm.kl_coef", "0.01"])
+    cfg.model.tiny = None
+    history = GRPOTrainer(cfg).fit()
+    return str(out), history
+
+
+def test_metrics_jsonl_has_the_names_users_know(run_dir):
+    out, history = run_dir
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for key in EXPECTED:
+        assert all(key in r for r in rows), f"{key} missing from metrics.jsonl"
+    assert rows == [{"step": i, **h} for i, h in enumerate(history)]
+    assert rows[-1]["timing/step"] == pytest.approx(sum(rows[-1][f"timing/{k}"] for k in (
+        "rollout", "old_logprob", "ref_logprob", "train", "sync")))
+    assert rows[0]["actor/lr"] > 0 and rows[0]["actor/entropy"] > 0
+
+
+def test_tensorboard_event_files_read_back(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, history = run_dir
+    acc = EventAccumulator(os.path.join(out, "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert set(EXPECTED) <= tags
+    assert tags == {k for k in history[0] if not isinstance(history[0][k], bool)}
+    for key in EXPECTED:
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == list(range(STEPS)), key
+        assert [e.value for e in events] == pytest.approx([float(h[key]) for h in history], rel=1e-6), key
+
+
+def test_wandb_offline_run_has_the_same_keys(run_dir):
+    out, history = run_dir
+    rows = read_history(out)
+    assert len(rows) == STEPS
+    for row, h in zip(rows, history):
+        assert {k for k in row if not k.startswith("_")} == set(h)
+        assert row["reward/mean"] == pytest.approx(h["reward/mean"])
+    assert [r["_step"] for r in rows] == list(range(STEPS))
+
+
+def test_config_completions_and_report_are_written(run_dir):
+    from mgrpo.config import load_config
+
+    out, _ = run_dir
+    cfg = yaml.safe_load(open(os.path.join(out, "config.yaml")))
+    assert cfg["logging"]["wandb"]["mode"] == "offline" and cfg["algorithm"]["kl_coef"] == 0.01
+    reloaded = load_config(os.path.join(out, "config.yaml"), check_files=False)
+    assert reloaded.algorithm.kl_coef == 0.01, "config.yaml loads back as a config"
+    rows = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
+    assert len(rows) == STEPS * 64 and {r["step"] for r in rows} == set(range(STEPS))
+    r = rows[0]
+    assert {"prompt", "completion", "rewards", "advantage", "finish_reason", "weight_version"} <= set(r)
+    assert "<|im_start|>" in r["prompt"] and "token_fraction" in r["rewards"]
+    assert {x["finish_reason"] for x in rows} <= {"stop", "length"}
+    with open(os.path.join(out, "report.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
