@@ -79,7 +79,14 @@ def main(argv: list) -> int:
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    history = trainer.fit()
+    from mgrpo.rollout.manager import RolloutError
+
+    try:
+        history = trainer.fit()
+    except RolloutError as exc:  # an engine timed out or failed: every rank stops, rank 0 says why
+        if denv.rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
     if denv.rank == 0 and history:
         k = min(5, len(history))
         first = sum(h["reward/mean"] for h in history[:k]) / k

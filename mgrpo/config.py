@@ -58,7 +58,11 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf (vllm and remote are planned)
+    engine: str = "hf"  # a registered backend: hf (vllm and remote are planned)
+    engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
+    max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
+    max_inflight: int = 256  # requests per engine call; several calls in flight only for async engines
+    request_timeout_s: float = 600.0  # an engine call that takes longer fails the step, naming the engine
     n: int = 4  # samples per prompt (group size)
     prompts_per_step: int = 8
     temperature: float = 1.0
@@ -285,10 +289,16 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    if r.engine != "hf":
-        e.append(f"rollout.engine={r.engine!r} is not available in this build yet (vllm and remote engines are "
-                 f"planned); use rollout.engine=hf")
-    for name in ("n", "prompts_per_step", "max_tokens"):
+    from mgrpo.rollout.engine import engine_names
+
+    if r.engine not in engine_names():
+        e.append(f"rollout.engine={r.engine!r} is not available in this build (vllm and remote engines are "
+                 f"planned); use one of: {', '.join(engine_names())}")
+    if r.engine_placement not in ("rank0", "per_dp"):
+        e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
+    if r.request_timeout_s <= 0:
+        e.append(f"rollout.request_timeout_s={r.request_timeout_s} must be > 0 seconds")
+    for name in ("n", "prompts_per_step", "max_tokens", "max_num_seqs", "max_inflight"):
         if getattr(r, name) < 1:
             e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
     if not 0 < r.top_p <= 1:

@@ -92,5 +92,8 @@ def step_metrics(cfg, samples: list, train: dict, extra: dict, timings: dict, ve
     metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
     if cfg.algorithm.rollout_is_mode:
         metrics["rollout_is/missing_logprob_samples"] = sum(1 for s in samples if s.rollout_logprobs is None)
+    for s in samples:  # requests per engine: how the step was spread
+        key = f"rollout/requests/{s.info.get('engine', 'engine')}"
+        metrics[key] = metrics.get(key, 0) + 1
     metrics["weight_version"] = version
     return metrics

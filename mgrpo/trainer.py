@@ -1,10 +1,12 @@
 """The GRPO loop, top to bottom: rollout -> reward -> advantages -> old logprobs -> train -> weight sync.
 
-Rank 0 owns the rollout engine (TP/PP/DP ranks share it); samples travel to every rank as JSON bytes.
+Engines live on global rank 0 or on the first rank of each DP replica (`rollout.engine_placement`); their
+samples reach every rank as JSON bytes, and each replica exports its weights to its own engine.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import asdict
+
 import torch.distributed as dist
 
 from mgrpo.actor import Actor
@@ -19,20 +21,12 @@ from mgrpo.metrics import step_metrics
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
-from mgrpo.resharding.bucket import make_buckets
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
-from mgrpo.rollout.engine import make_engine
-from mgrpo.rollout.manager import RolloutManager
-from mgrpo.rollout.types import samples_from_bytes, samples_to_bytes
-
-
-def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
-    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
-    dist.broadcast(n, src)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(n), dtype=torch.uint8)
-    dist.broadcast(buf, src)
-    return data if data is not None else bytes(buf.numpy())
+from mgrpo.rollout.engine import check_capabilities, make_engine
+from mgrpo.rollout.manager import RolloutError, RolloutManager, engine_owners, share_json
+from mgrpo.rollout.transport import InProcessTransport
+from mgrpo.rollout.types import Sample
 
 
 class GRPOTrainer:
@@ -46,28 +40,39 @@ class GRPOTrainer:
         self.prompts = PromptStream(rows, cfg.rollout.prompts_per_step, cfg.data.shuffle, cfg.train.seed)
         self.actor = Actor(cfg, cfg.model.path)
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
-        self.engine = make_engine(cfg, cfg.model.path, self.tokenizer) if self.rank == 0 else None
-        self.rollout = RolloutManager(self.engine, self.tokenizer, cfg) if self.rank == 0 else None
+        self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
+        index = list(self.owners.values()).index(self.rank) if self.rank in self.owners.values() else None
+        self.engine = make_engine(cfg, cfg.model.path, self.tokenizer, index) if index is not None else None
+        if self.engine is not None:
+            check_capabilities(self.engine, cfg)
+        self.transport = InProcessTransport(self.engine, cfg.rollout.update_bucket_mb << 20) if self.engine else None
+        self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, index or 0)
         self.version = 0
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
 
     def rollout_and_score(self, step: int) -> list:
-        data = None
-        if self.rank == 0:
-            samples = self.rollout.generate(self.prompts.next_batch(), step, self.version)
-            r = self.cfg.reward
-            score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs)
-            data = samples_to_bytes(samples)
-        else:
-            self.prompts.next_batch()  # keep every rank's data stream in step
-        return samples_from_bytes(broadcast_bytes(data))
+        """Each engine owner generates and scores its share; every rank gets every sample (or the first error)."""
+        rows = self.prompts.next_batch()  # every rank draws, so the data stream stays in step
+        payload = {"samples": []}
+        if self.engine is not None:
+            try:
+                samples = self.rollout.generate_share(rows, step)
+                score(samples, self.tokenizer, self.cfg.reward.funcs, self.cfg.reward.weights, self.cfg.reward.kwargs)
+                payload = {"samples": [asdict(s) for s in samples]}
+            except Exception as exc:  # every rank must leave the collective below, then fail together
+                payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}
+        gathered = share_json(payload, list(self.owners.values()))
+        errors = [p["error"] for p in gathered if "error" in p]
+        if errors:
+            raise RolloutError(errors[0])
+        return sorted((Sample(**d) for p in gathered for d in p["samples"]), key=lambda s: s.group_id)
 
     def sync_weights(self) -> None:
+        """Every DP replica that has an engine exports to it (views, one copy into the engine)."""
         self.version += 1
-        tensors = export_hf(self.actor.models(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
-        if self.engine is not None:
-            buckets = make_buckets(tensors, self.cfg.rollout.update_bucket_mb << 20, self.version, checksum=False)
-            self.engine.update_weights(buckets, self.version)
+        tensors = export_hf(self.actor.models(), dst=self.owners, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
+        if self.transport is not None:
+            self.transport.send(tensors, self.version)
         else:
             for _ in tensors:
                 pass

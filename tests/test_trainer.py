@@ -134,3 +134,41 @@ def test_failed_rewards_train_nothing_and_metrics_stay_finite(single_rank, tmp_p
                 "actor/grad_norm", "actor/entropy", "timing/step", "perf/tokens_per_s"):
         assert key in m and math.isfinite(m[key]), key
     assert trainer.cfg.algorithm.policy_loss == "cispo"
+
+
+def _launch(tmp_path, name, *extra, nproc=2):
+    import subprocess
+    import sys
+
+    from mgrpo.parallel.distributed import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+           "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--logging.output_dir", str(out),
+           "--logging.progress_bar", "false", "--logging.completions_interval", "1",
+           "--logging.completions_token_ids", "true", "--logging.report", "false", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    import json
+
+    return ([json.loads(line) for line in open(out / "metrics.jsonl")],
+            [json.loads(line) for line in open(out / "completions.jsonl")])
+
+
+def test_one_engine_per_dp_group_matches_one_engine(tmp_path):
+    """DP2 under torchrun: with one engine per DP group the 64 requests of a step are spread 32/32, both engines
+    serve the same weight version after each update, and the samples equal the single-engine run's."""
+    one_metrics, one = _launch(tmp_path, "rank0", "--rollout.engine_placement", "rank0")
+    two_metrics, two = _launch(tmp_path, "per_dp", "--rollout.engine_placement", "per_dp")
+    assert [m["rollout/requests/hf#0"] for m in one_metrics] == [64, 64]
+    assert [(m["rollout/requests/hf#0"], m["rollout/requests/hf#1"]) for m in two_metrics] == [(32, 32), (32, 32)]
+    for step in (0, 1):
+        rows = [r for r in two if r["step"] == step]
+        assert {r["weight_version"] for r in rows} == {step}, "both engines sampled with the same version"
+    key = lambda r: (r["step"], r["group"])  # noqa: E731
+    assert [(key(r), r["response_ids"]) for r in sorted(one, key=key)] == \
+        [(key(r), r["response_ids"]) for r in sorted(two, key=key)]
+    assert one_metrics[-1]["reward/mean"] == pytest.approx(two_metrics[-1]["reward/mean"])

@@ -152,9 +152,58 @@ def make_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int
         yield pack_bucket(pending, version, index, checksum=checksum)
 
 
-def _layout_problem(bucket: Bucket) -> str | None:
+@dataclass
+class ViewBucket:
+    """In-process bucket: the exported tensors themselves, no flat copy (the engine copies each tensor once,
+    into its own parameter). Same manifest as `Bucket` without offsets; nothing to checksum in memory."""
+    items: list  # (name, tensor)
+    manifest: dict
+    verified: str | None = field(default=None, repr=False, compare=False)
+    label = Bucket.label
+
+    def tensors(self) -> Iterator[tuple]:
+        yield from self.items
+
+    def verify(self) -> None:
+        return None
+
+
+def view_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int) -> Iterator[ViewBucket]:
+    """Group a (name, tensor) stream into ViewBuckets of about `bucket_bytes`, holding references only."""
+    pending, size, index = [], 0, 0
+
+    def emit():
+        m = dict(version=version, index=index, count=0, names=[n for n, _ in pending],
+                 dtypes=[_dtype_name(t.dtype) for _, t in pending], shapes=[list(t.shape) for _, t in pending],
+                 offsets=None, nbytes=[t.numel() * t.element_size() for _, t in pending], sha256="")
+        return ViewBucket(list(pending), m)
+
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if pending and size + n > bucket_bytes:
+            yield emit()
+            pending, size, index = [], 0, index + 1
+        pending.append((name, t))
+        size += n
+    if pending:
+        yield emit()
+
+
+def _views_problem(bucket: ViewBucket) -> str | None:
+    m = bucket.manifest
+    if [n for n, _ in bucket.items] != m.get("names"):
+        return "the manifest's names are not the tensors it holds"
+    for (name, t), dtype, shape in zip(bucket.items, m["dtypes"], m["shapes"]):
+        if _dtype_name(t.dtype) != dtype or list(t.shape) != list(shape):
+            return f"tensor {name!r} is {tuple(t.shape)} {_dtype_name(t.dtype)}, the manifest says {shape} {dtype}"
+    return None
+
+
+def _layout_problem(bucket) -> str | None:
     """Why the manifest does not describe its flat buffer, or None: checked before any view is taken, so a
     bad manifest fails with a message instead of a view error or a silent overlap."""
+    if isinstance(bucket, ViewBucket):
+        return _views_problem(bucket)
     m, size = bucket.manifest, bucket.flat.numel()
     cols = [m.get(k) for k in _FIELDS]
     if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:

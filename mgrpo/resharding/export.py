@@ -121,27 +121,38 @@ def _buckets_of(stream, bucket_bytes: int):
         yield cur
 
 
-def export_hf(model_chunks: list, dst: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
+def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 
-    Tensors are views or fresh copies valid until the caller asks for the next bucket's worth.
+    `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
+    exports its own copy of the weights to its own destination at the same time (one engine per DP group); a
+    destination must belong to the replica it receives from. Tensors are views or fresh copies valid until
+    the caller asks for the next bucket's worth.
     """
     coords = _coords()
     me = dist.get_rank()
+    dsts = dst if isinstance(dst, dict) else {0: dst}
+    for d, target in dsts.items():
+        if int(coords[target, 2]) != d:
+            raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
+    my_dp = int(coords[me, 2])
+    if my_dp not in dsts:
+        return
+    target = dsts[my_dp]
     for stage in range(mpu.get_pipeline_model_parallel_world_size()):
-        src = next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
-        if coords[me, 0] == stage and coords[me, 2] == 0 and coords[me, 3] == 0:
+        src = next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, my_dp, 0])
+        if coords[me, 0] == stage and coords[me, 3] == 0:
             stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce)
-            if me == src == dst:
+            if me == src == target:
                 yield from stream
             elif me == src:
                 for items in _buckets_of(stream, bucket_bytes):
-                    _send_bucket(pack_bucket(items, 0, 0, checksum=False), dst)
-                _send_bucket(pack_bucket([], 0, 0, checksum=False), dst)  # end of this stage
+                    _send_bucket(pack_bucket(items, 0, 0, checksum=False), target)
+                _send_bucket(pack_bucket([], 0, 0, checksum=False), target)  # end of this stage
             else:
                 for _ in stream:  # the other TP ranks take part in the gathers
                     pass
-        if me == dst and src != dst:
+        if me == target and src != target:
             while True:
                 bucket = _recv_bucket(src)
                 yield from bucket.tensors()

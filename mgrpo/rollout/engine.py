@@ -1,35 +1,80 @@
-"""The rollout `Engine` protocol: token ids in, token ids and logprobs out; weights pushed in by HF name."""
+"""The rollout `Engine` protocol, capabilities, a registry of backends (one file each) and per-request seeds.
+
+An engine takes token ids in and gives token ids, logprobs of the distribution it sampled from, finish reasons
+and the weight version of every token out. Weights come in as buckets of HF-named tensors, all or nothing.
+"""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from mgrpo.rollout.types import SamplingParams
 
 
-@dataclass
-class Completion:
-    token_ids: list
-    logprobs: list  # of the sampling distribution: log_softmax(logits / T)
-    finish_reason: str  # stop | length
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the manager checks these at start, never mid-run."""
+    async_generate: bool = False  # several generate() calls may be in flight at once
+    sleep: bool = False  # sleep()/wake() free and restore the engine's memory
+    logprobs: str = "processed"  # processed: of the distribution sampled from | raw: before temperature etc.
 
 
 class Engine(Protocol):
-    async def generate(self, prompts: list, sampling: SamplingParams) -> list:
-        """For each prompt (a list of token ids), `sampling.n` Completions."""
+    name: str
+    capabilities: Capabilities
 
-    def update_weights(self, buckets: Iterable, version: int) -> None:
-        """Load HF-named full tensors from `mgrpo.resharding.bucket.Bucket`s in place; `version` is stamped
-        on later samples."""
+    async def generate(self, requests: list, sampling: SamplingParams) -> list:
+        """One GenerationResponse per GenerationRequest, in order."""
+
+    def update_weights(self, buckets: Iterable, version: int) -> dict:
+        """Load HF-named tensors from buckets, all or nothing; later tokens carry `version`. Returns a receipt."""
 
     def health(self) -> dict: ...
 
 
-def make_engine(cfg, model_dir: str, tokenizer) -> "Engine":
+_ENGINES: dict[str, Callable] = {}
+
+
+def register_engine(name: str):
+    """`@register_engine("name")` on `factory(cfg, model_dir, tokenizer) -> Engine`."""
+    def deco(factory):
+        _ENGINES[name] = factory
+        return factory
+    return deco
+
+
+def engine_names() -> list:
+    _builtins()
+    return sorted(_ENGINES)
+
+
+def _builtins():
+    import mgrpo.rollout.hf_engine  # noqa: F401  (registers "hf")
+
+
+def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:
+    _builtins()
     name = cfg.rollout.engine
-    if name == "hf":
-        from mgrpo.rollout.hf_engine import HFEngine
+    if name not in _ENGINES:
+        raise KeyError(f"rollout.engine={name!r} is not registered; known: {', '.join(sorted(_ENGINES))}")
+    engine = _ENGINES[name](cfg, model_dir, tokenizer)
+    engine.name = f"{name}#{index}"
+    return engine
 
-        return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    raise NotImplementedError(f"rollout.engine={name!r} is not available yet in this build; use rollout.engine=hf")
 
+def check_capabilities(engine: Engine, cfg) -> None:
+    """At start: the trainer reads the engine's logprobs as those of the sampling distribution."""
+    caps = getattr(engine, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"engine {getattr(engine, 'name', engine)!r} declares no Capabilities")
+    if caps.logprobs != "processed":
+        raise ValueError(f"engine {engine.name} returns {caps.logprobs} logprobs; mgrpo needs the logprobs of the "
+                         f"distribution it sampled from (processed)")
+
+
+def request_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed from (run seed, step, prompt index in the step's batch, sample index in its group): the
+    same sample gets the same stream however requests are batched or spread over engines."""
+    key = f"{run_seed}:{step}:{prompt_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1

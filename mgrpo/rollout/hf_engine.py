@@ -1,10 +1,10 @@
-"""CPU default engine: HF transformers forward passes with our own sampling loop, so the distribution sampled
-from is exactly mgrpo's rollout settings (temperature, top-k, top-p) and nothing else.
+"""CPU default engine: HF transformers forward passes with our own batched sampling loop.
 
-`model.generate()` would also apply the model folder's `generation_config.json` (repetition penalty, top-k, ...)
-while we returned `log_softmax(logits / T)`: the logprobs would not be those of the tokens' real distribution.
-Each prompt is expanded n times and sampled as one unpadded batch with a KV cache, so no padding or position-id
-subtleties enter the logprobs.
+Our own loop, not `model.generate()`, so the distribution sampled from is exactly mgrpo's rollout settings
+(temperature, top-k, top-p) and nothing from the model folder's `generation_config.json`, and each request draws
+from its own generator (its seed), so a sample does not depend on what it was batched with. All requests go
+through in batches of up to `rollout.max_num_seqs` rows, left-padded, with position ids counted from each row's
+first real token and padding masked out of attention, so padding changes no logprob.
 """
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ import time
 
 import torch
 
-from mgrpo.resharding.bucket import ManifestCheck, _dtype_name as dtype_name
-from mgrpo.rollout.engine import Completion
-from mgrpo.rollout.types import SamplingParams
+from mgrpo.resharding.bucket import ManifestCheck
+from mgrpo.resharding.bucket import _dtype_name as dtype_name
+from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """log of the distribution sampled from: softmax(logits / T) restricted to the top-k tokens and to the
-    smallest set whose probability reaches top_p, renormalised (-inf outside). vLLM's `processed_logprobs`."""
-    x = logits.float() / temperature
+    smallest set whose probability reaches top_p, renormalised (-inf outside). vLLM's `processed_logprobs`.
+    Temperature 0 (greedy) reports the T = 1 distribution."""
+    x = logits.float() / (temperature if temperature > 0 else 1.0)
     if top_k and 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -32,14 +34,22 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return torch.log_softmax(x, -1)
 
 
-class HFEngine:
-    capabilities = {"async": False, "sleep": False, "logprobs": "processed"}
+def request_generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(int(seed) % (1 << 63))
+    return g
 
-    def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int, dtype=torch.float32):
+
+class HFEngine:
+    capabilities = Capabilities(async_generate=False, sleep=False, logprobs="processed")
+    name = "hf"
+
+    def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int, dtype=torch.float32,
+                 max_num_seqs: int = 256):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        self.eos, self.pad = eos_token_id, pad_token_id
+        self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
         self._params = dict(self.model.named_parameters())  # a tied lm_head is not listed separately
         self._expected = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in self._params.items()}
@@ -47,44 +57,61 @@ class HFEngine:
         self._optional = ("lm_head.weight",) if tied and "lm_head.weight" not in self._params else ()
 
     @torch.no_grad()
-    def _sample(self, prompt: list, sp: SamplingParams, generator: torch.Generator) -> list:
-        ids = torch.tensor([prompt] * sp.n, dtype=torch.long)
-        out = self.model(input_ids=ids, use_cache=True)
+    def _generate_batch(self, requests: list, sp: SamplingParams) -> list:
+        b, longest = len(requests), max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((b, longest), self.pad, dtype=torch.long)
+        mask = torch.zeros(b, longest, dtype=torch.long)
+        for i, r in enumerate(requests):  # left padding: every row's next token lands in the last column
+            ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, longest - len(r.prompt_ids):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        gens = [request_generator(r.seed) for r in requests]
+        done = torch.zeros(b, dtype=torch.bool)
         tokens, logps = [], []
-        done = torch.zeros(sp.n, dtype=torch.bool)
         for _ in range(sp.max_tokens):
             dist = processed_logprobs(out.logits[:, -1], sp.temperature, sp.top_k, sp.top_p)
-            nxt = torch.multinomial(dist.exp(), 1, generator=generator)[:, 0]
+            nxt = torch.full((b,), self.pad, dtype=torch.long)
+            for i in range(b):  # each row from its own stream; finished rows draw nothing
+                if done[i]:
+                    continue
+                nxt[i] = dist[i].argmax() if sp.temperature == 0 else \
+                    torch.multinomial(dist[i].exp(), 1, generator=gens[i])[0]
             tokens.append(nxt)
             logps.append(dist.gather(-1, nxt[:, None])[:, 0])
-            done |= nxt == self.eos
-            if bool(done.all()):
-                break
-            out = self.model(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+            if not sp.ignore_eos:
+                done |= nxt == self.eos
+                if bool(done.all()):
+                    break
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                             past_key_values=out.past_key_values, use_cache=True)
         rows, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        completions = []
+        out_ = []
         for row, lp in zip(rows, lps):
-            end = row.index(self.eos) + 1 if self.eos in row else len(row)
-            completions.append(Completion(row[:end], lp[:end], "stop" if self.eos in row[:end] else "length"))
-        return completions
+            stop = (not sp.ignore_eos) and self.eos in row
+            end = row.index(self.eos) + 1 if stop else len(row)
+            out_.append(GenerationResponse(row[:end], lp[:end], "stop" if stop else "length", [self.version] * end))
+        return out_
 
-    async def generate(self, prompts: list, sampling: SamplingParams) -> list:
-        """For each prompt, sampling.n Completions; prompt i draws from its own generator seeded from the seed."""
-        return [self._sample(p, sampling, self.prompt_generator(sampling.seed, i)) for i, p in enumerate(prompts)]
+    def generate_sync(self, requests: list, sampling: SamplingParams) -> list:
+        out = []
+        for start in range(0, len(requests), self.max_num_seqs):
+            out += self._generate_batch(requests[start: start + self.max_num_seqs], sampling)
+        return out
 
-    @staticmethod
-    def prompt_generator(seed, index: int) -> torch.Generator:
-        """The generator prompt `index` of a request with `seed` draws from (same seed, same samples)."""
-        g = torch.Generator()
-        g.manual_seed(((seed or 0) * 1_000_003 + index) % (1 << 63))
-        return g
+    async def generate(self, requests: list, sampling: SamplingParams) -> list:
+        """Runs inline: the engine computes in this process and never waits on I/O, so there is nothing for a
+        timeout to catch, and a worker thread would cost 2x here (two OpenMP thread teams on the same cores)."""
+        return self.generate_sync(requests, sampling)
 
     @torch.no_grad()
     def update_weights(self, buckets, version: int) -> dict:
         """All or nothing: every bucket is checked (digest where it has one, and the manifest against this
         model: nothing unknown, nothing twice, right shapes and dtypes, nothing left out) before one tensor is
         copied, so a broken update leaves the served weights and version as they were."""
-        check = ManifestCheck(self._expected, optional=self._optional, receiver="HF engine")
+        check = ManifestCheck(self._expected, optional=self._optional, receiver=f"engine {self.name}")
         staged = []
         for bucket in buckets:
             bucket.verify()
@@ -106,4 +133,10 @@ class HFEngine:
         return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
 
     def health(self) -> dict:
-        return {"ok": True, "engine": "hf", "version": self.version, "time": time.time()}
+        return {"ok": True, "engine": self.name, "version": self.version, "time": time.time()}
+
+
+@register_engine("hf")
+def _make_hf(cfg, model_dir: str, tokenizer) -> HFEngine:
+    return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    max_num_seqs=cfg.rollout.max_num_seqs)

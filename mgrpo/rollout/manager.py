@@ -1,29 +1,121 @@
-"""Prompts in, `Sample`s grouped by prompt out (one group of n per prompt)."""
+"""Prompts in, `Sample`s out, over one or several engines.
+
+Placement (`rollout.engine_placement`): `rank0`, one engine on global rank 0, or `per_dp`, one engine on the
+first rank of each data-parallel replica (its export destination). A step's prompts are split into contiguous
+shares, one per engine, so a prompt's n samples stay on one engine. Each engine owner runs its share in calls of
+at most `rollout.max_inflight` requests (concurrently only for async engines), each under
+`rollout.request_timeout_s` (it bites on engines that wait on something: child processes, servers; the in-process
+HF engine computes inline and cannot hang on I/O); then every rank receives every sample as JSON bytes (one
+broadcast per engine owner), or the first error, so all ranks fail the step together with one line naming the
+engine.
+"""
 from __future__ import annotations
 
 import asyncio
+import json
+
+import torch
+import torch.distributed as dist
 
 from mgrpo.data.dataset import encode_prompt
-from mgrpo.rollout.types import Sample, SamplingParams
+from mgrpo.rollout.engine import request_seed
+from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams
+
+
+class RolloutError(RuntimeError):
+    """A step's rollout failed (an engine timed out or raised); the message names the engine."""
+
+
+def engine_owners(placement: str) -> dict:
+    """{dp_rank: global rank} of every engine (also the export destinations)."""
+    from megatron.core import parallel_state as mpu
+
+    mine = torch.tensor([mpu.get_data_parallel_rank(), int(mpu.get_pipeline_model_parallel_rank() == 0
+                         and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0)])
+    table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, mine)
+    leaders = {int(t[0]): r for r, t in enumerate(table) if int(t[1])}
+    return {0: 0} if placement == "rank0" else dict(sorted(leaders.items()))
+
+
+def shares(n_prompts: int, n_engines: int) -> list:
+    """Contiguous prompt ranges, one per engine, sizes differing by at most one."""
+    base, extra = divmod(n_prompts, n_engines)
+    out, start = [], 0
+    for k in range(n_engines):
+        size = base + (k < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 class RolloutManager:
-    def __init__(self, engine, tokenizer, cfg):
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+    def __init__(self, cfg, tokenizer, owners: dict, engine=None, engine_index: int = 0):
+        self.cfg, self.tokenizer, self.engine, self.index = cfg, tokenizer, engine, engine_index
+        self.owners = list(owners.values())
 
-    def generate(self, rows: list, step: int, version: int) -> list:
+    def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
-        prompts = [encode_prompt(self.tokenizer, row["messages"], self.cfg.data.apply_chat_template) for row in rows]
-        sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_tokens=r.max_tokens,
-                                  seed=self.cfg.train.seed * 100003 + step)
-        groups = asyncio.run(self.engine.generate(prompts, sampling))
-        samples = []
-        for i, (row, prompt, completions) in enumerate(zip(rows, prompts, groups)):
-            extra = {k: v for k, v in row.items() if k != "messages"}
-            for c in completions:
-                samples.append(Sample(prompt_ids=list(prompt), response_ids=list(c.token_ids),
-                                      loss_mask=[1] * len(c.token_ids), rollout_logprobs=list(c.logprobs),
-                                      group_id=step * len(rows) + i, weight_version=version,
-                                      finish_reason=c.finish_reason, messages=row["messages"], info=dict(extra)))
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
+
+    def requests_for(self, rows: list, step: int, prompt_indices) -> tuple:
+        """(requests, prompts) of the given prompts of this step, n requests per prompt, seeded per sample."""
+        n, seed = self.cfg.rollout.n, self.cfg.train.seed
+        prompts = {i: encode_prompt(self.tokenizer, rows[i]["messages"], self.cfg.data.apply_chat_template)
+                   for i in prompt_indices}
+        reqs = [GenerationRequest(prompts[i], request_seed(seed, step, i, j), f"{step}-{i}-{j}")
+                for i in prompt_indices for j in range(n)]
+        return reqs, prompts
+
+    async def _run(self, requests: list, sampling: SamplingParams) -> list:
+        chunk, timeout = self.cfg.rollout.max_inflight, self.cfg.rollout.request_timeout_s
+        parts = [requests[i: i + chunk] for i in range(0, len(requests), chunk)]
+
+        async def one(part):
+            try:
+                return await asyncio.wait_for(self.engine.generate(part, sampling), timeout)
+            except asyncio.TimeoutError:
+                raise RolloutError(f"engine {self.engine.name} did not answer {len(part)} requests within "
+                                   f"rollout.request_timeout_s={timeout:g} s") from None
+
+        if self.engine.capabilities.async_generate:
+            results = await asyncio.gather(*(one(p) for p in parts))
+        else:
+            results = [await one(p) for p in parts]
+        return [resp for part in results for resp in part]
+
+    def generate_share(self, rows: list, step: int) -> list:
+        """This engine's share of the step's prompts as Samples (group ids global, in prompt order)."""
+        mine = shares(len(rows), len(self.owners))[self.index]
+        requests, prompts = self.requests_for(rows, step, mine)
+        responses = asyncio.run(self._run(requests, self.sampling()))
+        samples, n = [], self.cfg.rollout.n
+        for k, (req, resp) in enumerate(zip(requests, responses)):
+            i = mine[k // n]
+            extra = {key: v for key, v in rows[i].items() if key != "messages"}
+            samples.append(Sample(prompt_ids=list(req.prompt_ids), response_ids=list(resp.token_ids),
+                                  loss_mask=[1] * len(resp.token_ids), rollout_logprobs=list(resp.logprobs),
+                                  group_id=step * len(rows) + i, weight_version=min(resp.weight_versions, default=0),
+                                  finish_reason=resp.finish_reason, messages=rows[i]["messages"],
+                                  info=dict(extra, engine=self.engine.name)))
         return samples
+
+
+def share_json(payload, owners: list) -> list:
+    """Each owner's JSON-serialisable payload, on every rank, in owner order (bytes, never pickle).
+
+    One broadcast per owner rather than an all-gather: on these CPU machines a gloo all_gather of a few hundred
+    KB left the next training step ~40% slower (measured: train 0.31 s with broadcasts, 0.44-0.53 s after an
+    all_gather of the same bytes), and only owners have anything to send.
+    """
+    me = dist.get_rank()
+    out = []
+    for src in owners:
+        data = json.dumps(payload).encode() if me == src else b""
+        size = torch.tensor([len(data)], dtype=torch.long)
+        dist.broadcast(size, src)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
+            torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src)
+        out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
+    return out

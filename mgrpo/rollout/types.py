@@ -1,4 +1,5 @@
-"""The currency between rollout and trainer: one `Sample` per trajectory, token ids in and out."""
+"""The currency between rollout and trainer: one `Sample` per trajectory, token ids in and out; and the
+request/response types every engine speaks."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,27 @@ from typing import Optional
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    """What every request of a call is sampled with; temperature 0 = greedy."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 32
-    seed: Optional[int] = None
+    ignore_eos: bool = False  # benchmarks: fixed completion lengths
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list
+    seed: int  # the request's own sampling stream (see mgrpo.rollout.engine.request_seed)
+    request_id: str = ""
+
+
+@dataclass
+class GenerationResponse:
+    token_ids: list
+    logprobs: list  # of the distribution sampled from (after temperature / top-k / top-p)
+    finish_reason: str  # stop | length
+    weight_versions: list  # the weight version that produced each token
 
 
 @dataclass

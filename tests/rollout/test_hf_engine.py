@@ -1,5 +1,6 @@
 """The HF engine samples from exactly mgrpo's rollout settings and returns that distribution's logprobs, whatever
-the model folder's generation_config.json says; and a weight update is all or nothing."""
+the model folder's generation_config.json says; batches with left padding change no logprob; each request's seed
+alone decides its sample; and a weight update is all or nothing."""
 import asyncio
 import json
 import shutil
@@ -7,11 +8,23 @@ import shutil
 import pytest
 import torch
 
-from mgrpo.resharding.bucket import BucketError, make_buckets
-from mgrpo.rollout.hf_engine import HFEngine, processed_logprobs
-from mgrpo.rollout.types import SamplingParams
+from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
+from mgrpo.rollout.engine import request_seed
+from mgrpo.rollout.hf_engine import HFEngine, processed_logprobs, request_generator
+from mgrpo.rollout.types import GenerationRequest, SamplingParams
 
 T = 0.7
+# mixed prompt lengths: a batch is left-padded to the longest
+PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+
+
+def reqs(seed=0, n=2, prompts=PROMPTS):
+    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
+            for j in range(n)]
+
+
+def run(engine, requests, sp):
+    return asyncio.run(engine.generate(requests, sp))
 
 
 @pytest.fixture(scope="module")
@@ -25,77 +38,114 @@ def model_dir(tiny_dirs, tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir):
+def make_engine(model_dir, **kw):
     from mgrpo.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
 
 
-PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11]]
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return make_engine(model_dir)
 
 
 def _reference_sample(model, prompt, sp, gen):
-    """Independent sampler: a full forward of the growing sequence (no KV cache) per token, softmax(logits / T)."""
+    """Independent sampler: a full forward of the growing sequence (no KV cache, no padding) per token."""
     ids, toks = list(prompt), []
     for _ in range(sp.max_tokens):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
-        tok = int(torch.multinomial(torch.softmax(logits / sp.temperature, -1)[None], 1, generator=gen)[0, 0])
+        tok = int(torch.multinomial(torch.softmax(logits / sp.temperature, -1), 1, generator=gen)[0])
         toks.append(tok)
         ids.append(tok)
     return toks
 
 
 def test_samples_ignore_generation_config(engine):
-    """With n=1 and no EOS cut, the engine's tokens equal an independent plain-softmax sampler fed the same
-    generator: nothing from generation_config.json (penalty 1.3, top-k 5, T=2) entered the distribution."""
-    engine.eos = -1  # never stop early, so every step draws
-    try:
-        sp = SamplingParams(n=1, temperature=T, top_p=1.0, max_tokens=24, seed=11)
-        out = asyncio.run(engine.generate(PROMPTS, sp))
-        for i, prompt in enumerate(PROMPTS):
-            ref = _reference_sample(engine.model, prompt, sp, HFEngine.prompt_generator(11, i))
-            assert out[i][0].token_ids == ref
-        outside = sum(t not in torch.topk(engine.model(torch.tensor([PROMPTS[0] + out[0][0].token_ids[:j]])).logits[
-            0, -1], 5).indices.tolist() for j, t in enumerate(out[0][0].token_ids))
-        assert outside > 0, "top_k=5 from generation_config.json must not apply"
-    finally:
-        engine.eos = engine.model.config.eos_token_id
+    """With EOS ignored, every request's tokens equal an independent plain-softmax sampler fed the request's
+    generator: nothing from generation_config.json (penalty 1.3, top-k 5, T=2) entered, and left padding in a
+    batch of mixed prompt lengths changed nothing."""
+    sp = SamplingParams(temperature=T, max_tokens=16, ignore_eos=True)
+    requests = reqs(seed=11, n=1)
+    out = run(engine, requests, sp)
+    for r, o in zip(requests, out):
+        assert o.token_ids == _reference_sample(engine.model, r.prompt_ids, sp, request_generator(r.seed))
+        assert o.finish_reason == "length" and len(o.logprobs) == 16
+    first = out[0].token_ids
+    top5 = [torch.topk(engine.model(torch.tensor([PROMPTS[0] + first[:j]])).logits[0, -1], 5).indices.tolist()
+            for j in range(len(first))]
+    assert sum(t not in k for t, k in zip(first, top5)) > 0, "top_k=5 from generation_config.json must not apply"
 
 
-def test_logprobs_equal_the_trainers_forward(single_rank, engine, model_dir):
+def _trainer_logprobs(model_dir, prompt, response, temperature):
     from mgrpo.actor import Actor
     from mgrpo.config import load_config
     from mgrpo.data.microbatch import make_microbatches
     from mgrpo.rollout.types import Sample
 
-    sp = SamplingParams(n=4, temperature=T, top_p=1.0, max_tokens=24, seed=5)
-    out = asyncio.run(engine.generate(PROMPTS, sp))
-    cfg = load_config(argv=["--model.path", model_dir, "--rollout.temperature", str(T)], check_files=False)
-    actor = Actor(cfg, model_dir, train=False)
-    worst = 0.0
-    for prompt, group in zip(PROMPTS, out):
-        for c in group:
-            s = Sample(prompt_ids=prompt, response_ids=c.token_ids, loss_mask=[1] * len(c.token_ids))
-            mb = make_microbatches([s], 1, 0)[0]
-            ours = actor.logprobs([mb])[0][mb["loss_mask"].bool()]
-            worst = max(worst, float((ours - torch.tensor(c.logprobs)).abs().max()))
-    print(f"max |engine - trainer| logprob at T={T}: {worst:.2e}")
-    assert worst <= 1e-4
+    cfg = load_config(argv=["--model.path", model_dir, "--rollout.temperature", str(temperature)], check_files=False)
+    actor = _trainer_logprobs.cache.get((model_dir, temperature))
+    if actor is None:
+        actor = _trainer_logprobs.cache[(model_dir, temperature)] = Actor(cfg, model_dir, train=False)
+    s = Sample(prompt_ids=prompt, response_ids=response, loss_mask=[1] * len(response))
+    mb = make_microbatches([s], 1, 0)[0]
+    return actor.logprobs([mb])[0][mb["loss_mask"].bool()]
+
+
+_trainer_logprobs.cache = {}
+
+
+def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
+    """New random weights pushed through update_weights: greedy and seeded T=0.7 sampling give, for every sample
+    of a mixed-length batch, per-token logprobs equal to the trainer's (megatron) forward on the returned ids."""
+    from mgrpo.models.tiny import make_tiny_hf
+    from safetensors.torch import load_file
+
+    new_dir = make_tiny_hf(str(tmp_path / "new"), family="qwen2", vocab_size=300, num_layers=2, seed=99)
+    eng = make_engine(model_dir)
+    new = load_file(f"{new_dir}/model.safetensors")
+    receipt = eng.update_weights(view_buckets(iter(new.items()), 1 << 20, 7), 7)
+    assert receipt["version"] == 7 and receipt["tensors"] == len(dict(eng.model.named_parameters()))
+    worst = {}
+    for temp, sp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12)),
+                     (T, SamplingParams(temperature=T, max_tokens=12))):
+        out = run(eng, reqs(seed=3), sp)
+        worst[temp] = 0.0
+        for r, o in zip(reqs(seed=3), out):
+            assert o.weight_versions == [7] * len(o.token_ids)
+            ours = _trainer_logprobs(new_dir, r.prompt_ids, o.token_ids, 1.0 if temp == "greedy" else T)
+            worst[temp] = max(worst[temp], float((ours - torch.tensor(o.logprobs)).abs().max()))
+    print(f"max |engine - trainer| logprob after update: {worst}")
+    assert max(worst.values()) <= 1e-4
+
+
+def test_seeds_decide_samples_not_batching(engine, model_dir):
+    sp = SamplingParams(temperature=1.0, max_tokens=12)
+    a, b = run(engine, reqs(seed=1), sp), run(engine, reqs(seed=1), sp)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] and \
+        [x.logprobs for x in a] == [x.logprobs for x in b], "same requests, same batching: bitwise"
+    c = run(engine, reqs(seed=2), sp)
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    # the same requests split over two engines (different batch shapes and padding): the same samples
+    other = make_engine(model_dir, max_num_seqs=3)
+    half = len(reqs(seed=1)) // 2
+    split = run(engine, reqs(seed=1)[:half], sp) + run(other, reqs(seed=1)[half:], sp)
+    assert [x.token_ids for x in split] == [x.token_ids for x in a]
+    diff = max(abs(p - q) for x, y in zip(split, a) for p, q in zip(x.logprobs, y.logprobs))
+    print(f"split over 2 engines: same tokens; max logprob difference {diff:.1e} (batch-shape rounding)")
+    assert diff <= 1e-5
 
 
 def test_top_k_and_top_p_logprobs_are_the_truncated_distribution(engine):
-    sp = SamplingParams(n=3, temperature=T, top_k=5, top_p=0.9, max_tokens=12, seed=1)
-    out = asyncio.run(engine.generate(PROMPTS[:1], sp))[0]
+    sp = SamplingParams(temperature=T, top_k=5, top_p=0.9, max_tokens=12)
+    out = run(engine, reqs(seed=1, n=3, prompts=PROMPTS[:1]), sp)
     for c in out:
         ids = PROMPTS[0] + c.token_ids
         with torch.no_grad():
             logits = engine.model(torch.tensor([ids])).logits[0, len(PROMPTS[0]) - 1: -1].float() / T
         for j, tok in enumerate(c.token_ids):  # reference: keep top 5, then the smallest set reaching 0.9
-            p = torch.softmax(logits[j], -1)
-            top = torch.topk(p, 5)
+            top = torch.topk(torch.softmax(logits[j], -1), 5)
             q = top.values / top.values.sum()
             keep = (q.cumsum(0) - q) < 0.9
             kept = top.indices[keep]
@@ -110,20 +160,21 @@ def _named(engine, scale=1.0):
     return [(n, p.detach() * scale) for n, p in engine.model.named_parameters()]
 
 
-def test_update_is_all_or_nothing(engine):
+def test_update_is_all_or_nothing(model_dir):
+    engine = make_engine(model_dir)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     version = engine.version
     full = _named(engine, 1.5)
     cases = {"missing": full[:-1], "unknown": full + [("model.layers.0.extra.weight", torch.zeros(3))],
              "twice": full + full[:1], "shape": full[:-1] + [(full[-1][0], full[-1][1][:-1])]}
     for what, items in cases.items():
-        with pytest.raises(BucketError) as e:
-            engine.update_weights(make_buckets(iter(items), 64 << 10, version + 1, checksum=True), version + 1)
-        assert "HF engine" in str(e.value), what
-        assert engine.version == version, f"{what}: the version must not move"
-        assert all(torch.equal(before[n], p) for n, p in engine.model.named_parameters()), f"{what}: weights moved"
+        for buckets in (make_buckets(iter(items), 64 << 10, version + 1, checksum=True),
+                        view_buckets(iter(items), 64 << 10, version + 1)):
+            with pytest.raises(BucketError) as e:
+                engine.update_weights(buckets, version + 1)
+            assert "engine hf" in str(e.value), what
+            assert engine.version == version, f"{what}: the version must not move"
+            assert all(torch.equal(before[n], p) for n, p in engine.model.named_parameters()), f"{what}: moved"
     receipt = engine.update_weights(make_buckets(iter(full), 64 << 10, version + 1, checksum=True), version + 1)
     assert engine.version == version + 1 and receipt["tensors"] == len(full) and len(receipt["digests"]) > 1
     assert all(torch.equal(before[n] * 1.5, p) for n, p in engine.model.named_parameters())
-    engine.update_weights(make_buckets(iter(_named(engine, 1 / 1.5)), 64 << 10, version + 2, checksum=False),
-                          version + 2)
