@@ -26,7 +26,7 @@ class Actor:
         load_hf(chunks, model_dir)
         self.info = chunks[0].mgrpo_info
         self.config = chunks[0].config
-        self.chunks, self.optimizer = chunks, None
+        self.chunks, self.optimizer, self.scheduler = chunks, None, None
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
         self.seq_sum = None  # per-sequence sums across CP ranks (None: plain row sums)
         if cfg.parallel.cp > 1:
@@ -48,12 +48,13 @@ class Actor:
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [c.no_sync for c in self.chunks]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                                   adam_beta1=0.9, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
                                   bf16=self.cfg.model.params_dtype == "bfloat16",
                                   params_dtype=self.config.params_dtype,
                                   use_distributed_optimizer=t.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        self.scheduler = make_scheduler(self.optimizer, t)
 
     def _logprobs(self, mb, logits, entropy: bool = False):
         tp = mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
@@ -86,13 +87,15 @@ class Actor:
         def loss_fn(mb, logits):
             mask = mb["loss_mask"]
             logp, entropy = self._logprobs(mb, logits, entropy=True)  # always logged (actor/entropy)
+            old = mb.get("old_logp")  # None: one update per rollout, pi_old is this very policy
+            old = logp.detach() if old is None else old
             is_weights, stats = None, {}
             if alg.rollout_is_mode:
-                is_weights, is_metrics = rollout_is_weights_from_cfg(mb["old_logp"], mb["rollout_logp"], mask, alg,
+                is_weights, is_metrics = rollout_is_weights_from_cfg(old, mb["rollout_logp"], mask, alg,
                                                                      seq_sum=self.seq_sum,
                                                                      has_rollout=mb.get("has_rollout"))
                 stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
-            per_token, metrics = fn(logp, mb["old_logp"], mb["advantages"], mask, alg,
+            per_token, metrics = fn(logp, old, mb["advantages"], mask, alg,
                                     ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
                                     seq_sum=self.seq_sum)
             if alg.entropy_coef:
@@ -134,15 +137,18 @@ class Actor:
         and step count stay as they were (`update_ok` False, `skipped_steps` counts them)."""
         stats = self.forward_backward(microbatches)
         if self.grads_finite():
+            lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this update uses
             ok, grad_norm, _ = self.optimizer.step()
+            if ok and self.scheduler is not None:
+                self.scheduler.step(increment=1)
         else:
-            ok, grad_norm = False, float("nan")
+            ok, grad_norm, lr = False, float("nan"), float(self.optimizer.param_groups[0]["lr"])
             self.skipped_steps += 1
             for c in self.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
-               "skipped_steps": self.skipped_steps, "lr": float(self.optimizer.param_groups[0]["lr"])}
+               "skipped_steps": self.skipped_steps, "lr": lr}
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:
@@ -154,3 +160,20 @@ class Actor:
 
     def models(self) -> list:
         return [unwrap(c) for c in self.chunks]
+
+
+def optimizer_steps(t, rollout_steps: int) -> int:
+    return rollout_steps * t.steps_per_generation * t.num_iterations
+
+
+def make_scheduler(optimizer, t, total_steps: int | None = None):
+    """megatron's OptimizerParamScheduler over every optimizer step of the run: linear warmup from 0 over
+    `warmup_steps`, then constant, linear or cosine decay to `min_lr` at the last step. Like megatron, the LR of
+    optimizer step k (0-based) is the schedule at k: with warmup the first update uses LR 0."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    total = total_steps or optimizer_steps(t, t.steps)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr if t.lr_schedule != "constant" else t.lr,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=max(total - 1, t.warmup_steps + 1), lr_decay_style=t.lr_schedule,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=max(total, 1), wd_incr_style="constant")

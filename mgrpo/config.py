@@ -116,6 +116,11 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     micro_batch_size: int = 4  # samples per micro-batch on each DP rank
+    steps_per_generation: int = 1  # mini-batches per generation batch, one optimizer step each (TRL's name)
+    num_iterations: int = 1  # times the whole generation batch is replayed (verl ppo_epochs, TRL num_iterations)
+    lr_schedule: str = "constant"  # constant | linear | cosine (megatron's OptimizerParamScheduler)
+    warmup_steps: int = 0  # optimizer steps of linear warmup from 0
+    min_lr: float = 0.0  # where linear/cosine decay ends (at the last optimizer step)
     use_distributed_optimizer: bool = False
     seed: int = 1234
 
@@ -313,6 +318,15 @@ def validate(cfg: Config) -> list[str]:
     e += names or _check_algorithm_numbers(a)
     if t.steps < 1 or t.micro_batch_size < 1:
         e.append("train.steps and train.micro_batch_size must be >= 1")
+    if t.steps_per_generation < 1 or t.num_iterations < 1:
+        e.append("train.steps_per_generation and train.num_iterations must be >= 1")
+    elif r.prompts_per_step * r.n % t.steps_per_generation:
+        e.append(f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
+                 f"train.steps_per_generation={t.steps_per_generation}; choose a divisor")
+    if t.lr_schedule not in ("constant", "linear", "cosine"):
+        e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
+    if t.warmup_steps < 0 or not 0 <= t.min_lr <= t.lr:
+        e.append(f"train.warmup_steps={t.warmup_steps} must be >= 0 and train.min_lr={t.min_lr} in [0, train.lr]")
     e += _check_logging(cfg.logging)
     if not cfg.data.path:
         e.append("data.path is empty; give a local .jsonl file")
@@ -407,17 +421,22 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
     if world_size % mp:
         e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
                  f"processes or change the layout")
-    elif cfg.rollout.prompts_per_step * cfg.rollout.n % (world_size // mp):
-        e.append(f"rollout.prompts_per_step x rollout.n = {cfg.rollout.prompts_per_step * cfg.rollout.n} is not "
-                 f"divisible by data-parallel size {world_size // mp}; change prompts_per_step or n")
+    elif cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) % (world_size // mp):
+        mini = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1)
+        what = "rollout.prompts_per_step x rollout.n" if cfg.train.steps_per_generation == 1 else \
+            "the mini-batch (prompts_per_step x n / steps_per_generation)"
+        e.append(f"{what} = {mini} is not divisible by data-parallel size {world_size // mp}; change "
+                 f"prompts_per_step, n or steps_per_generation")
     elif p.pp > 1:
-        per_dp = cfg.rollout.prompts_per_step * cfg.rollout.n // (world_size // mp)
+        per_dp = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) // (
+            world_size // mp)
         mbs = min(cfg.train.micro_batch_size, per_dp)
         if per_dp % mbs:
             divisors = [d for d in range(1, per_dp + 1) if per_dp % d == 0 and d <= cfg.train.micro_batch_size]
-            e.append(f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank batch of "
-                     f"{per_dp} samples (prompts_per_step x n / DP); with parallel.pp > 1 every micro-batch must have "
-                     f"the same size: use a divisor such as {divisors[-1]}")
+            e.append(f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank "
+                     f"mini-batch of {per_dp} samples (prompts_per_step x n / steps_per_generation / DP); with "
+                     f"parallel.pp > 1 every micro-batch must have the same size: use a divisor such as "
+                     f"{divisors[-1]}")
     if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
         e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
                  ".cuda() on the shared embedding); use pp=1 or an untied model")

@@ -80,13 +80,23 @@ def length_metrics(samples: list) -> dict:
             "prompt_length/mean": sum(len(s.prompt_ids) for s in samples) / max(len(samples), 1)}
 
 
-def step_metrics(cfg, samples: list, train: dict, extra: dict, timings: dict, version: int) -> dict:
-    """Everything logged for one step (a collective: every rank calls it). `extra` holds already-named values."""
-    reduced = reduce_last_stage(train, loss_metric_keys(cfg.algorithm), ["loss"])
-    metrics = {_ACTOR.get(k, k): v for k, v in reduced.items()}
+def update_metrics(cfg, out: dict) -> dict:
+    """One optimizer step's logged actor metrics (a collective: every rank calls it)."""
+    reduced = reduce_last_stage(out, loss_metric_keys(cfg.algorithm) + ["ratio_mean"], ["loss"])
+    metrics = {_ACTOR.get(k, "actor/" + k if k == "ratio_mean" else k): v for k, v in reduced.items()}
+    metrics.update({"actor/grad_norm": out["grad_norm"], "actor/lr": out.get("lr", 0.0),
+                    "actor/skipped_steps": out["skipped_steps"]})
+    return metrics
+
+
+def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, version: int) -> tuple:
+    """(everything logged for one rollout step, the per-optimizer-step actor metrics). Actor metrics are means
+    over the step's optimizer steps (mini-batches x iterations); `actor/lr` and `actor/skipped_steps` are the
+    last one's. A collective: every rank calls it."""
+    per_update = [update_metrics(cfg, out) for out in updates]
+    metrics = {k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]}
+    metrics.update({k: per_update[-1][k] for k in ("actor/lr", "actor/skipped_steps")})
     metrics.update(reward_metrics(samples, cfg.reward.funcs), **length_metrics(samples), **extra)
-    metrics.update({"actor/grad_norm": train["grad_norm"], "actor/lr": train.get("lr", 0.0),
-                    "actor/skipped_steps": train["skipped_steps"]})
     step_time = sum(timings.values())
     metrics.update({f"timing/{k}": v for k, v in timings.items()}, **{"timing/step": step_time})
     metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
@@ -96,4 +106,4 @@ def step_metrics(cfg, samples: list, train: dict, extra: dict, timings: dict, ve
         key = f"rollout/requests/{s.info.get('engine', 'engine')}"
         metrics[key] = metrics.get(key, 0) + 1
     metrics["weight_version"] = version
-    return metrics
+    return metrics, per_update

@@ -10,9 +10,8 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from mgrpo.actor import Actor
-from mgrpo.data.batching import build_train_batch, sequence_kl
+from mgrpo.data.batching import build_generation_batch, describe_batching, sequence_kl
 from mgrpo.data.dataset import PromptStream, read_prompt_rows
-from mgrpo.data.microbatch import set_advantages
 from mgrpo.data.tokenizer import load_tokenizer
 from mgrpo.logging import RunLogger
 from mgrpo.loss.advantages import compute_advantages
@@ -49,6 +48,10 @@ class GRPOTrainer:
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, index or 0)
         self.version = 0
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
+        self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
+        if self.rank == 0:
+            print(describe_batching(cfg, dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)),
+                  flush=True)
 
     def rollout_and_score(self, step: int) -> list:
         """Each engine owner generates and scores its share; every rank gets every sample (or the first error)."""
@@ -81,24 +84,25 @@ class GRPOTrainer:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
         with timer("rollout"):
             samples = self.rollout_and_score(step)
-        batch = build_train_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0)
-        for key, actor in (("old_logp", self.actor), ("ref_logp", self.ref)):
+        batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0)
+        for key, actor in (("old_logp", self.actor if batch.needs_old_logprobs else None), ("ref_logp", self.ref)):
             if actor is not None:
                 with timer(key.replace("_logp", "_logprob")):
-                    batch.set_logprobs(key, actor.logprobs(batch.microbatches))
+                    batch.set_logprobs(key, actor)
         rewards, extra = batch.rewards, {}
         if self.ref is not None and alg.kl_in_reward:
             seq_kl = sequence_kl(batch)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
             extra["actor/kl_ref"] = float(seq_kl[batch.valid].mean()) if batch.valid.any() else 0.0
         adv = compute_advantages(alg.advantage, rewards, batch.group_ids, alg, lengths=batch.lengths)
-        set_advantages(batch.microbatches, [adv[i] for i in batch.local])
+        batch.set_advantages(adv)
         with timer("train"):
-            train = self.actor.train_step(batch.microbatches)
+            updates = [self.actor.train_step(mbs) for mbs in batch.updates(self.cfg.train.num_iterations)]
         with timer("sync"):
             self.sync_weights()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer)
-        return step_metrics(self.cfg, samples, train, extra, timer.totals, self.version)
+        metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, timer.totals, self.version)
+        return metrics
 
     def maybe_save(self, done_steps: int) -> None:
         c = self.cfg.checkpoint

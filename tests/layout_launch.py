@@ -22,7 +22,7 @@ LAUNCHES = {
         "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2",
         "tp2-loss_grpo", "pp2-vpp2-loss_grpo", "dp2-loss_dr_grpo", "pp2-loss_gspo", "dp2-loss_cispo",
         "cp2", "cp2-loss_gspo", "cp2-loss_gspo-localseq", "cp2-nozigzag"],
-    4: ["nanstep:tp2-pp2", "nanstep_noguard:tp2-pp2", "ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2",
+    4: ["mb2:tp2-pp2", "mb4:tp2-pp2", "nanstep:tp2-pp2", "nanstep_noguard:tp2-pp2", "ckpt:tp2-pp2", "tp2-pp2-vpp2-sp", "roundtrip:tp2-pp2", "initexport:tp2-pp2",
         "tp2-dp2-loss_grpo", "tp2-dp2-loss_gspo",
         "tp2-cp2", "dp2-cp2", "pp2-cp2", "tp2-cp2-loss_gspo", "dp2-cp2-loss_gspo", "pp2-cp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
@@ -79,6 +79,8 @@ def run_all_launches(tiny_dirs, tmp_path_factory):
         cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
                                 "--train.adam_eps", "0.001", "--train.micro_batch_size", "2", flag, name])
         run_layout(cfg, model, samples, str(out), f"tp1-{variant}")
+    for k in (2, 4):  # the first of k mini-batches: its own samples, its own aggregation counts
+        run_layout(ref_cfg, model, samples[: len(samples) // k], str(out), f"tp1-mb{k}")
     run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
     logs = {}
     for world, layouts in LAUNCHES.items():

@@ -133,7 +133,7 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     elif case == "pp_micro_batch":
         args, world = ["--pp", "2", "--rollout.prompts_per_step", "4", "--rollout.n", "4",
                        "--train.micro_batch_size", "5"], 2
-        expect = "train.micro_batch_size=5 does not divide the per-DP-rank batch of 16 samples"
+        expect = "train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 16 samples"
     elif case == "missing_shard":
         from safetensors.torch import load_file
 
@@ -218,9 +218,9 @@ def test_pp_micro_batch_must_divide_the_dp_batch(tiny_dirs, data_file, tmp_path)
     argv = ["--config", path, "--pp", "2", "--rollout.prompts_per_step", "6", "--rollout.n", "2"]
     bad = load_config(argv=argv + ["--train.micro_batch_size", "5"])
     errs = validate_layout(bad, info, world_size=4, cuda=False)  # DP 2: 6 samples per DP rank
-    assert errs == ["train.micro_batch_size=5 does not divide the per-DP-rank batch of 6 samples (prompts_per_step x "
-                    "n / DP); with parallel.pp > 1 every micro-batch must have the same size: use a divisor such "
-                    "as 3"]
+    assert errs == ["train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 6 samples "
+                    "(prompts_per_step x n / steps_per_generation / DP); with parallel.pp > 1 every micro-batch "
+                    "must have the same size: use a divisor such as 3"]
     for ok in ("3", "6", "8"):  # 8 > 6: one micro-batch of 6
         assert not validate_layout(load_config(argv=argv + ["--train.micro_batch_size", ok]), info, 4, False)
     no_pp = [a for a in argv if a not in ("--pp", "2")] + ["--rollout.n", "2", "--train.micro_batch_size", "5"]

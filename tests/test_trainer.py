@@ -172,3 +172,40 @@ def test_one_engine_per_dp_group_matches_one_engine(tmp_path):
     assert [(key(r), r["response_ids"]) for r in sorted(one, key=key)] == \
         [(key(r), r["response_ids"]) for r in sorted(two, key=key)]
     assert one_metrics[-1]["reward/mean"] == pytest.approx(two_metrics[-1]["reward/mean"])
+
+
+def test_clipping_is_live_with_mini_batches(single_rank, tmp_path, tiny_dirs):
+    """steps_per_generation 4: the first mini-batch trains on the rollout policy itself (ratio exactly 1, kl_old 0),
+    every later one sees ratios the earlier updates moved (clip_frac > 0, kl_old > 0)."""
+    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "1", "--train.steps_per_generation", "4")
+    trainer.step(0)
+    first, *later = trainer.update_metrics
+    assert len(later) == 3
+    assert first["actor/ratio_mean"] == 1.0 and first["actor/kl_old"] == 0.0 and first["actor/clip_frac"] == 0.0
+    for u in later:
+        assert u["actor/clip_frac"] > 0 and u["actor/kl_old"] > 0, u
+
+
+def test_cosine_schedule_with_warmup_follows_the_formula(single_rank, tmp_path, tiny_dirs):
+    """3 rollout steps x 2 mini-batches = 6 optimizer steps: linear warmup over 2 from 0, then cosine to min_lr
+    at the last step; actor/lr is the LR each update used."""
+    import math
+
+    lr, min_lr, warm, total = 0.003, 0.0003, 2, 6
+    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "3", "--train.steps_per_generation", "2",
+                           "--train.lr_schedule", "cosine", "--train.warmup_steps", str(warm), "--train.min_lr",
+                           str(min_lr), "--train.lr", str(lr))
+    seen = []
+    for step in range(3):
+        m = trainer.step(step)
+        seen += [u["actor/lr"] for u in trainer.update_metrics]
+        assert m["actor/lr"] == seen[-1]
+
+    def reference(k):
+        if k <= warm:
+            return lr * k / warm
+        ratio = (k - warm) / (total - 1 - warm)
+        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * ratio))
+
+    assert seen == pytest.approx([reference(k) for k in range(total)], rel=1e-12, abs=1e-15)
+    assert seen[-1] == pytest.approx(min_lr)

@@ -1,5 +1,12 @@
-"""Generation batch -> this rank's micro-batches: failed samples out, aggregation weights from global counts,
-DP shard, micro-batches (CP split inside), and the per-sample facts the advantage estimators need."""
+"""Generation batch -> mini-batches -> this rank's micro-batches.
+
+`rollout.prompts_per_step x rollout.n` samples form a generation batch; it is cut into
+`train.steps_per_generation` contiguous mini-batches (one optimizer step each), replayed `train.num_iterations`
+times. Failed samples (NaN reward) train nothing and leave the counts; each mini-batch's aggregation weights come
+from its own global counts; each mini-batch is sharded over DP and cut into micro-batches (CP split inside).
+Old logprobs are needed only when the buffer is reused (or for the KL-in-reward penalty): with one update per
+generation batch they equal the current policy's, and the loss uses its own logprobs, detached.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as mpu
 
-from mgrpo.data.microbatch import dp_shard, make_microbatches
+from mgrpo.data.microbatch import dp_shard, make_microbatches, set_advantages
 from mgrpo.loss.advantages import valid_mask
 from mgrpo.loss.aggregation import token_weights
 
@@ -16,49 +23,88 @@ log = logging.getLogger("mgrpo.batching")
 
 
 @dataclass
-class TrainBatch:
+class MiniBatch:
+    microbatches: list  # this rank's
+    local: list  # global sample indices of this DP rank's share, in micro-batch order
+
+
+@dataclass
+class GenerationBatch:
     samples: list
-    microbatches: list
-    local: list  # global indices of this DP rank's samples
+    minibatches: list
     rewards: torch.Tensor  # float64 [N], NaN where the reward failed
     valid: torch.Tensor  # bool [N]: the reward is finite
     group_ids: torch.Tensor
     lengths: list  # loss tokens per sample (0 for failed samples)
+    needs_old_logprobs: bool
 
-    def set_logprobs(self, key: str, logps: list) -> None:
-        """Store per-micro-batch logprobs (only last-stage ranks get any; zeros stand in elsewhere)."""
-        for i, mb in enumerate(self.microbatches):
-            mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
+    def set_logprobs(self, key: str, actor) -> None:
+        """`actor`'s logprobs for every micro-batch of every mini-batch (only last-stage ranks get any; zeros
+        stand in elsewhere). Runs before the first update, so old logprobs are the rollout policy's."""
+        for mini in self.minibatches:
+            logps = actor.logprobs(mini.microbatches)
+            for i, mb in enumerate(mini.microbatches):
+                mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
+
+    def set_advantages(self, advantages) -> None:
+        for mini in self.minibatches:
+            set_advantages(mini.microbatches, [advantages[i] for i in mini.local])
+
+    def updates(self, num_iterations: int) -> list:
+        """The micro-batch lists of every optimizer step, in order: each mini-batch, the whole buffer replayed."""
+        return [mini.microbatches for _ in range(num_iterations) for mini in self.minibatches]
 
 
 def missing_rollout_logprobs(samples: list) -> int:
     return sum(1 for s in samples if s.rollout_logprobs is None)
 
 
-def build_train_batch(samples: list, cfg, pad_id: int, warn: bool = True) -> TrainBatch:
-    """A failed reward (NaN) trains nothing: its loss mask becomes 0 and it leaves the aggregation counts."""
-    alg = cfg.algorithm
+def describe_batching(cfg, dp: int) -> str:
+    """The batch arithmetic in one line, for the start-up log."""
+    t, r = cfg.train, cfg.rollout
+    total = r.prompts_per_step * r.n
+    mini = total // t.steps_per_generation
+    per_dp = mini // dp
+    mbs = min(t.micro_batch_size, per_dp)
+    updates = t.steps_per_generation * t.num_iterations
+    old = "old logprobs computed once per rollout" if updates > 1 else \
+        "old logprobs skipped (one update per rollout: they equal the current policy's)"
+    return (f"batching: {total} samples -> {t.steps_per_generation} mini-batch(es) of {mini} x {t.num_iterations} "
+            f"iteration(s) -> {updates} optimizer step(s) per rollout; {dp} DP rank(s) x {-(-per_dp // mbs)} "
+            f"micro-batch(es) of <= {mbs}; {old}")
+
+
+def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -> GenerationBatch:
+    alg, t = cfg.algorithm, cfg.train
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
                            dtype=torch.float64)
     valid = valid_mask(rewards)
     for s, ok in zip(samples, valid.tolist()):
-        if not ok:
+        if not ok:  # a failed reward trains nothing
             s.loss_mask = [0] * len(s.loss_mask)
     missing = missing_rollout_logprobs(samples)
     if missing and alg.rollout_is_mode and warn:
         log.warning("%d of %d samples have no rollout logprobs: they are left out of the rollout IS correction "
                     "(weight 1) and of the rollout_is/* metrics", missing, len(samples))
-    weights = token_weights(samples, alg.aggregation, cfg.rollout.max_tokens, include=valid.tolist())
-    local = dp_shard(list(range(len(samples))), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-    mbs = make_microbatches([samples[i] for i in local], cfg.train.micro_batch_size, pad_id, None,
-                            cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
-                            token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
-                            cp_size=cfg.parallel.cp)
-    return TrainBatch(samples, mbs, local, rewards, valid, torch.tensor([s.group_id for s in samples]),
-                      [sum(s.loss_mask) for s in samples])
+    dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    size = len(samples) // t.steps_per_generation
+    minis = []
+    for k in range(t.steps_per_generation):
+        idx = list(range(k * size, (k + 1) * size))
+        chunk = [samples[i] for i in idx]
+        weights = token_weights(chunk, alg.aggregation, cfg.rollout.max_tokens, include=valid[idx].tolist())
+        local = dp_shard(list(range(len(idx))), dp_rank, dp)
+        mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
+                                cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
+                                token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
+                                cp_size=cfg.parallel.cp)
+        minis.append(MiniBatch(mbs, [idx[i] for i in local]))
+    needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0)
+    return GenerationBatch(samples, minis, rewards, valid, torch.tensor([s.group_id for s in samples]),
+                           [sum(s.loss_mask) for s in samples], needs_old)
 
 
-def sequence_kl(batch: TrainBatch) -> torch.Tensor:
+def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
     """Per-sample sum of k1 = old - ref logprob over loss tokens (CP ranks add their chunks), on every rank."""
     import torch.distributed as dist
 
@@ -66,9 +112,10 @@ def sequence_kl(batch: TrainBatch) -> torch.Tensor:
 
     out = torch.zeros(len(batch.samples), dtype=torch.float64)
     if holds_metrics():
-        for mb in batch.microbatches:
-            kl = ((mb["old_logp"] - mb["ref_logp"]) * mb["loss_mask"]).sum(-1)
-            for row, idx in enumerate(mb["sample_index"]):
-                out[batch.local[idx]] = float(kl[row])
+        for mini in batch.minibatches:
+            for mb in mini.microbatches:
+                kl = ((mb["old_logp"] - mb["ref_logp"]) * mb["loss_mask"]).sum(-1)
+                for row, idx in enumerate(mb["sample_index"]):
+                    out[mini.local[idx]] = float(kl[row])
     dist.all_reduce(out)
     return out

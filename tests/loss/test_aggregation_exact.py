@@ -87,3 +87,18 @@ def test_per_microbatch_mean_is_not_exact(setup):
     res = run(setup, per_microbatch_mean_weights, policy_loss="ppo_clip", aggregation="token-mean")
     assert (res[4][1] - res[8][1]).abs().max() > 1e-4
     assert (res[1][1] - res[8][1]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_split_invariance_within_mini_batches(setup, agg):
+    """Each of 2 mini-batches (4 samples, weights from its own counts) gives the same loss and gradient as 1x4,
+    2x2 or 4x1 micro-batches."""
+    cfg, actor, samples = setup
+    for alg_key, value in (("policy_loss", "ppo_clip"), ("aggregation", agg)):
+        setattr(actor.cfg.algorithm, alg_key, value)
+    for mini in (samples[:4], samples[4:]):
+        weights = token_weights(mini, agg, 32)
+        ref_loss, ref_grad = grads(actor, mini, 4, weights)
+        for size in (2, 1):
+            loss, g = grads(actor, mini, size, weights)
+            assert abs(loss - ref_loss) <= TOL * max(1.0, abs(ref_loss)) and (g - ref_grad).abs().max() <= TOL

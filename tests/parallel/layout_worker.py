@@ -92,6 +92,8 @@ def main():
         cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES
         if mode == "roundtrip":
             run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"))
+        elif mode in ("mb2", "mb4"):  # the first mini-batch of a generation batch split in 2 or 4
+            run_layout(cfg, args.model, samples[: len(samples) // int(mode[2:])], args.out, f"{mode}-{layout}")
         elif mode in ("nanstep", "nanstep_noguard"):
             run_nan_step(cfg, args.model, samples, args.out, spec.replace(":", "-"), guard=mode == "nanstep")
         elif mode == "initexport":
