@@ -50,8 +50,8 @@ class GRPOTrainer:
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
-            print(describe_batching(cfg, dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)),
-                  flush=True)
+            dp = dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+            print(describe_batching(cfg, dp), flush=True)
 
     def rollout_and_score(self, step: int) -> list:
         """Each engine owner generates and scores its share; every rank gets every sample (or the first error)."""

@@ -83,7 +83,7 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     """Through the trainer's batching: a failed sample's loss mask is 0 and it is not counted in the number of
     sequences of seq-mean aggregations; the advantage estimators give it 0 and leave it out of group stats."""
     from mgrpo.config import load_config
-    from mgrpo.data.batching import build_train_batch
+    from mgrpo.data.batching import build_generation_batch
     from mgrpo.loss.advantages import compute_advantages
     from mgrpo.metrics import reward_metrics
 
@@ -93,8 +93,8 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     score(s, None, ["_t_const", "_t_nan_for_2"])
     cfg = load_config(argv=["--model.path", "m", "--algorithm.aggregation", "seq-mean-token-sum",
                             "--train.micro_batch_size", "4"], check_files=False)
-    batch = build_train_batch(s, cfg, pad_id=0)
-    mb = batch.microbatches[0]
+    batch = build_generation_batch(s, cfg, pad_id=0)
+    mb = batch.minibatches[0].microbatches[0]
     assert mb["loss_mask"][2].sum() == 0 and mb["token_weight"][2].sum() == 0
     assert float(mb["token_weight"][0].max()) == pytest.approx(1 / 3), "3 sequences count, not 4"
     adv = compute_advantages("grpo", batch.rewards, batch.group_ids, cfg.algorithm)
