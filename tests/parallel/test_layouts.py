@@ -74,7 +74,6 @@ def test_negative_controls_are_detected(layout_results, tag):
 
 
 def test_reference_has_gradients(layout_results):
-    import torch
 
     from mgrpo.resharding.load import SafetensorsReader
 
