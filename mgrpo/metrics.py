@@ -101,7 +101,9 @@ def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, 
     metrics.update({f"timing/{k}": v for k, v in timings.items()}, **{"timing/step": step_time})
     metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
     if cfg.algorithm.rollout_is_mode:
-        metrics["rollout_is/missing_logprob_samples"] = sum(1 for s in samples if s.rollout_logprobs is None)
+        from mgrpo.data.batching import missing_rollout_logprobs
+
+        metrics["rollout_is/missing_logprob_samples"] = missing_rollout_logprobs(samples)
     for s in samples:  # requests per engine: how the step was spread
         key = f"rollout/requests/{s.info.get('engine', 'engine')}"
         metrics[key] = metrics.get(key, 0) + 1

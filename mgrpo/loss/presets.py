@@ -74,9 +74,6 @@ def resolve_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-PRESET_FIELDS = ("policy_loss", "aggregation", "scale_rewards", "epsilon_low", "epsilon_high")
-
-
 def preset_values(name: str, user_set=frozenset()) -> dict:
     """The fields preset ``name`` fills, leaving out every field in ``user_set`` (set in YAML or by a flag).
 
