@@ -57,8 +57,23 @@ class ParallelConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The colocated vLLM engine (rollout.engine: vllm), a child process of its owner rank."""
+    dtype: str = "auto"  # auto: float32 on CPU (exact logprobs), bfloat16 on GPU
+    kv_cache_gb: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE per engine
+    gpu_memory_utilization: float = 0.5  # GPU: the engine's share, the trainer holds the rest
+    tensor_parallel_size: int = 1
+    max_model_len: Optional[int] = None  # null: the model's
+    enforce_eager: bool = True
+    start_timeout_s: float = 600.0
+    update_ring: Optional[int] = None  # weight buffers; 0 = stage the whole update (all or nothing; CPU default),
+    #                                    k >= 2 = stream through k buckets (bounded memory; GPU default 2)
+    update_checksum: bool = False  # sha256 every bucket (the buffers never leave the machine)
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "hf"  # a registered backend: hf (vllm and remote are planned)
+    engine: str = "hf"  # a registered backend: hf (in-process transformers) | vllm (colocated child process)
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
     max_inflight: int = 256  # requests per engine call; several calls in flight only for async engines
@@ -70,6 +85,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off; the engine samples with exactly temperature/top_p/top_k, nothing from generation_config
     max_tokens: int = 32
     update_bucket_mb: int = 256  # weight-sync bucket size
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -297,8 +313,10 @@ def validate(cfg: Config) -> list[str]:
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
-        e.append(f"rollout.engine={r.engine!r} is not available in this build (vllm and remote engines are "
-                 f"planned); use one of: {', '.join(engine_names())}")
+        e.append(f"rollout.engine={r.engine!r} is not available in this build (remote engines are planned); "
+                 f"use one of: {', '.join(engine_names())}")
+    if r.engine == "vllm":
+        e += _check_vllm(r)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
     if r.request_timeout_s <= 0:
@@ -353,6 +371,22 @@ def _check_algorithm_names(a) -> list:
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):
             e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
+    return e
+
+
+def _check_vllm(r) -> list:
+    import importlib.util
+
+    v, e = r.vllm, []
+    if importlib.util.find_spec("vllm") is None:
+        e.append("rollout.engine=vllm but the vllm package is not installed; run bash scripts/setup.sh (CPU) or "
+                 "pip install -e .[gpu], or use rollout.engine=hf")
+    if v.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        e.append(f"rollout.vllm.dtype={v.dtype!r}; use auto, float32, bfloat16 or float16")
+    if v.update_ring is not None and (v.update_ring < 0 or v.update_ring == 1):
+        e.append(f"rollout.vllm.update_ring={v.update_ring}; use 0 (stage the whole update) or >= 2")
+    if not 0 < v.gpu_memory_utilization <= 1 or v.kv_cache_gb <= 0 or v.tensor_parallel_size < 1:
+        e.append("rollout.vllm.gpu_memory_utilization must be in (0, 1], kv_cache_gb > 0, tensor_parallel_size >= 1")
     return e
 
 

@@ -22,9 +22,8 @@ from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
-from mgrpo.rollout.engine import check_capabilities, make_engine
+from mgrpo.rollout.engine import check_capabilities, make_engine, truncation_warning
 from mgrpo.rollout.manager import RolloutError, RolloutManager, engine_owners, share_json
-from mgrpo.rollout.transport import InProcessTransport
 from mgrpo.rollout.types import Sample
 
 
@@ -44,7 +43,9 @@ class GRPOTrainer:
         self.engine = make_engine(cfg, cfg.model.path, self.tokenizer, index) if index is not None else None
         if self.engine is not None:
             check_capabilities(self.engine, cfg)
-        self.transport = InProcessTransport(self.engine, cfg.rollout.update_bucket_mb << 20) if self.engine else None
+        if self.rank == 0 and truncation_warning(cfg):
+            print(truncation_warning(cfg), flush=True)
+        self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, index or 0)
         self.version = 0
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
@@ -122,4 +123,11 @@ class GRPOTrainer:
                 self.maybe_save(step + 1)
         finally:
             log.close()
+            self.close()
         return history
+
+    def close(self) -> None:
+        """Engines (and their processes and buffers) end with the run."""
+        for part in (self.transport, self.engine):
+            if hasattr(part, "close"):
+                part.close()

@@ -51,6 +51,7 @@ def engine_names() -> list:
 
 def _builtins():
     import mgrpo.rollout.hf_engine  # noqa: F401  (registers "hf")
+    import mgrpo.rollout.vllm_engine  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
 
 
 def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:
@@ -71,6 +72,18 @@ def check_capabilities(engine: Engine, cfg) -> None:
     if caps.logprobs != "processed":
         raise ValueError(f"engine {engine.name} returns {caps.logprobs} logprobs; mgrpo needs the logprobs of the "
                          f"distribution it sampled from (processed)")
+
+
+def truncation_warning(cfg) -> str | None:
+    """Why rollout logprobs and the trainer's differ when sampling truncates the vocabulary, or None."""
+    r = cfg.rollout
+    if r.top_p >= 1 and not r.top_k:
+        return None
+    return (f"warning: rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: the engine samples from the truncated, "
+            f"renormalised distribution and reports its logprobs, while the trainer computes log_softmax(z / T) "
+            f"over the whole vocabulary, so pi_old / pi_rollout is off by the probability mass kept; "
+            f"rollout_is/rollout_logp_abs_diff shows the gap. RL usually samples with top_p 1 and top_k 0 "
+            f"(verl's recommendation); keep truncation only with algorithm.rollout_is_mode set.")
 
 
 def request_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:

@@ -125,6 +125,11 @@ class HFEngine:
         self.version = version
         return dict(receipt, version=version)
 
+    def weight_transport(self, bucket_bytes: int):
+        from mgrpo.rollout.transport import InProcessTransport
+
+        return InProcessTransport(self, bucket_bytes)
+
     @torch.no_grad()
     def score(self, prompt: list, response: list, temperature: float = 1.0) -> torch.Tensor:
         """Teacher-forced logprobs of `response` after `prompt` (used to check weight sync)."""

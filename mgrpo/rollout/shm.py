@@ -1,0 +1,93 @@
+"""Buffers a trainer writes and a colocated engine's worker reads in place: POSIX shared memory on CPU, a
+CUDA-IPC buffer on GPU. Both describe themselves as JSON (a path, or an IPC handle in base64), so the engine
+side opens them from a JSON message; nothing is pickled.
+
+Only this module knows the two kinds; `SharedMemoryTransport` and the vLLM worker see `.view` (a uint8 tensor)
+and `.describe()`.
+"""
+from __future__ import annotations
+
+import base64
+import mmap
+import os
+
+import torch
+
+SHM_DIR = "/dev/shm"
+
+
+class PosixShmBuffer:
+    """A file under /dev/shm (0600, O_EXCL), mapped read-write by both sides. Unlinked by its creator."""
+
+    kind = "posix"
+
+    def __init__(self, name: str, nbytes: int, create: bool = True):
+        self.path, self.nbytes, self.owner = os.path.join(SHM_DIR, name), int(nbytes), create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.nbytes)
+            self._mm = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.view = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "nbytes": self.nbytes}
+
+    @classmethod
+    def open(cls, desc: dict) -> "PosixShmBuffer":
+        path = desc["path"]
+        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith("mgrpo-"):
+            raise ValueError(f"refusing to map {path!r}: not an mgrpo buffer under {SHM_DIR}")
+        return cls(os.path.basename(path), desc["nbytes"], create=False)
+
+    def close(self) -> None:
+        self.view = None
+        try:
+            self._mm.close()
+        except BufferError:  # a tensor view is still alive somewhere; the mapping goes when it does
+            pass
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class CudaIpcBuffer:
+    """A CUDA allocation shared by IPC handle with a process on the same GPU (verl's colocated buffer).
+    GPU only: written against torch's `UntypedStorage._share_cuda_` / `_new_shared_cuda`; not run on CPU."""
+
+    kind = "cuda_ipc"
+
+    def __init__(self, name: str, nbytes: int, create: bool = True, view: torch.Tensor | None = None):
+        self.name, self.nbytes = name, int(nbytes)
+        self.view = view if view is not None else torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+
+    def describe(self) -> dict:
+        storage = self.view.untyped_storage()
+        fields = storage._share_cuda_()
+        return {"kind": self.kind, "nbytes": self.nbytes, "device": torch.cuda.current_device(),
+                "handle": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields]}
+
+    @classmethod
+    def open(cls, desc: dict) -> "CudaIpcBuffer":
+        fields = [base64.b64decode(f) if isinstance(f, str) else f for f in desc["handle"]]
+        fields[0] = torch.cuda.current_device()  # the receiving process's index of the same GPU
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        view = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage, 0, (desc["nbytes"],))
+        return cls("ipc", desc["nbytes"], create=False, view=view)
+
+    def close(self) -> None:
+        self.view = None
+
+
+BUFFER_KINDS = {PosixShmBuffer.kind: PosixShmBuffer, CudaIpcBuffer.kind: CudaIpcBuffer}
+
+
+def open_buffer(desc: dict):
+    if desc.get("kind") not in BUFFER_KINDS:
+        raise ValueError(f"unknown buffer kind {desc.get('kind')!r}; known: {', '.join(BUFFER_KINDS)}")
+    return BUFFER_KINDS[desc["kind"]].open(desc)

@@ -1,0 +1,169 @@
+"""`vllm` backend: a colocated vLLM `AsyncLLM` in a child process of the trainer rank that owns it.
+
+vLLM cannot live in the trainer's own process (AsyncLLM needs its own engine-core process; an in-process
+`LLM` under torchrun builds process groups over the whole world and hangs), so each engine owner starts
+`mgrpo.rollout.vllm_child` in its own session, talks to it over a Unix socket in a 0700 directory with a
+per-engine token, and pushes weights through shared buffers (`SharedMemoryTransport`). The child samples with
+exactly mgrpo's settings (`generation_config="vllm"`, nothing from the model folder), returns processed
+logprobs (those of the distribution sampled from), and dies with this process: `close()` at exit, and a
+watchdog in the child for crashes and kills.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+from mgrpo.rollout import local_rpc
+from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.types import GenerationResponse, SamplingParams
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited or did not answer in time; the message has the tail of its log."""
+
+
+def _child_env(kv_cache_gb: float) -> dict:
+    """The child is not a torchrun rank: without these it would try to join the trainer's world."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # trainer ranks share these cores: no pinning
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class VLLMEngine:
+    capabilities = Capabilities(async_generate=True, sleep=False, logprobs="processed")
+    name = "vllm"
+
+    def __init__(self, model_dir: str, eos_token_id: int | None, dtype: str = "auto", seed: int = 0,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_gb: float = 1.0,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 start_timeout_s: float = 600.0, log_path: str | None = None, update_ring: int | None = None,
+                 update_checksum: bool = False):
+        import torch
+
+        self.model_dir, self.eos, self.version = model_dir, eos_token_id, 0
+        self.update_ring, self.update_checksum = update_ring, update_checksum
+        self.dir = local_rpc.private_dir("mgrpo-vllm-")
+        self.socket, self.token = os.path.join(self.dir, "engine.sock"), local_rpc.new_token()
+        self.log_path = log_path or os.path.join(self.dir, "engine.log")
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # fp32 on CPU: exact logprobs
+        spec = dict(model=os.path.abspath(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                    socket=self.socket, token=self.token, parent_pid=os.getpid())
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.vllm_child"], stdin=subprocess.PIPE,
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=_child_env(kv_cache_gb),
+                                     start_new_session=True)
+        self.proc.stdin.write((json.dumps(spec) + "\n").encode())
+        self.proc.stdin.close()
+        atexit.register(self.close)
+        self._wait_ready(start_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _log_tail(self, lines: int = 25) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                tail = self._log_tail()
+                self.close()
+                raise EngineStartError(f"vLLM engine process exited with code {self.proc.returncode} while "
+                                       f"starting (log {self.log_path}):\n{tail}")
+            if os.path.exists(self.socket):
+                try:
+                    info = self.call("health", timeout=10)
+                    self.dtype = info["dtype"]
+                    return
+                except (OSError, local_rpc.RpcError):
+                    pass
+            time.sleep(0.2)
+        tail = self._log_tail()
+        self.close()
+        raise EngineStartError(f"vLLM engine did not start within {timeout:g} s (log {self.log_path}):\n{tail}")
+
+    def call(self, op: str, timeout: float | None = None, **kwargs):
+        return local_rpc.call(self.socket, self.token, op, timeout=timeout, **kwargs)
+
+    async def generate(self, requests: list, sampling: SamplingParams) -> list:
+        payload = [{"prompt_ids": list(r.prompt_ids), "seed": int(r.seed), "request_id": r.request_id}
+                   for r in requests]
+        out = await local_rpc.async_call(self.socket, self.token, "generate", requests=payload,
+                                         sampling=asdict(sampling), eos=self.eos)
+        return [GenerationResponse(o["token_ids"], o["logprobs"], o["finish_reason"], o["weight_versions"])
+                for o in out]
+
+    def weight_transport(self, bucket_bytes: int, **kwargs):
+        from mgrpo.rollout.transport import SharedMemoryTransport
+
+        kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum), **kwargs)
+        return SharedMemoryTransport(self, bucket_bytes, **kwargs)
+
+    def health(self) -> dict:
+        return dict(self.call("health", timeout=30), engine=self.name)
+
+    def close(self) -> None:
+        """Stop the engine process and its engine core; idempotent. Polite first, then the whole group."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                self.call("shutdown", timeout=5)
+                proc.wait(timeout=20)
+            except (OSError, local_rpc.RpcError, subprocess.TimeoutExpired):
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the engine core lives in the same process group
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        elif proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+        if getattr(self, "dir", None):
+            shutil.rmtree(self.dir, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+@register_engine("vllm")
+def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
+    r, v = cfg.rollout, cfg.rollout.vllm
+    log = os.path.join(cfg.logging.output_dir, "engines", f"vllm-{os.getpid()}.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    engine = VLLMEngine(model_dir, eos_token_id=tokenizer.eos_token_id, dtype=v.dtype, seed=cfg.train.seed,
+                      max_num_seqs=r.max_num_seqs, max_model_len=v.max_model_len, kv_cache_gb=v.kv_cache_gb,
+                      tensor_parallel_size=v.tensor_parallel_size,
+                      gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+                      start_timeout_s=v.start_timeout_s, log_path=log, update_ring=v.update_ring,
+                      update_checksum=v.update_checksum)
+    with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
+        json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
+    return engine
