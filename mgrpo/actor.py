@@ -12,7 +12,7 @@ from megatron.core import parallel_state as mpu
 
 from mgrpo.loss.logprobs import vocab_parallel_logprobs
 from mgrpo.loss.registry import policy_loss
-from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg
+from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg, rollout_offpolicy_metrics
 from mgrpo.models.builder import build_model
 from mgrpo.parallel.pipeline import forward_backward, unwrap
 from mgrpo.resharding.load import load_hf
@@ -95,6 +95,9 @@ class Actor:
                                                                      seq_sum=self.seq_sum,
                                                                      has_rollout=mb.get("has_rollout"))
                 stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
+            else:  # the engine/trainer mismatch is always worth seeing (e.g. top-p/top-k truncation)
+                diag = rollout_offpolicy_metrics(old, mb["rollout_logp"], mask, has_rollout=mb.get("has_rollout"))
+                stats.update({f"rollout_is/{k}": v for k, v in diag.items()})
             per_token, metrics = fn(logp, old, mb["advantages"], mask, alg,
                                     ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
                                     seq_sum=self.seq_sum)

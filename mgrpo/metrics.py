@@ -47,10 +47,10 @@ def loss_metric_keys(alg) -> list:
         keys += ["clip_frac_low", "clip_frac_high"] + (["dual_clip_frac"] if alg.clip_ratio_c is not None else [])
     if alg.kl_coef > 0 and not alg.kl_in_reward:
         keys.append("kl")  # the KL loss term against the reference
+    keys += [f"rollout_is/{k}" for k in ("rollout_logp_abs_diff", "rollout_kl_k1", "rollout_kl_k3")]
     if alg.rollout_is_mode:
         kind = "clip" if alg.rollout_is_mode.endswith(("truncate", "tis")) else "mask"
-        keys += [f"rollout_is/{k}" for k in ("rollout_logp_abs_diff", "rollout_kl_k1", "rollout_kl_k3",
-                                             "rollout_is_weight_mean", f"rollout_is_{kind}_frac")]
+        keys += [f"rollout_is/{k}" for k in ("rollout_is_weight_mean", f"rollout_is_{kind}_frac")]
     return keys
 
 
