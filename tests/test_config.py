@@ -225,3 +225,14 @@ def test_pp_micro_batch_must_divide_the_dp_batch(tiny_dirs, data_file, tmp_path)
         assert not validate_layout(load_config(argv=argv + ["--train.micro_batch_size", ok]), info, 4, False)
     no_pp = [a for a in argv if a not in ("--pp", "2")] + ["--rollout.n", "2", "--train.micro_batch_size", "5"]
     assert not validate_layout(load_config(argv=no_pp), info, 2, False), "without PP a short micro-batch is fine"
+
+
+def test_every_example_config_loads_and_validates():
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sorted(glob.glob(os.path.join(root, "examples", "*.yaml")))
+    assert len(paths) >= 2
+    for path in paths:
+        cfg = load_config(path, [], check_files=False)
+        assert cfg.train.steps >= 1, path

@@ -1,5 +1,5 @@
-"""The main job with the colocated vLLM engine under torchrun: TP2 x PP2 with one engine, and DP2 with one
-engine per DP group. Both learn (last 5 steps >= first 5 + 0.2), the engines' logprobs equal the trainer's
+"""The main job with the colocated vLLM engine under torchrun: examples/tiny_cpu_vllm.yaml at TP2 x PP2 with one
+engine, and tiny_cpu.yaml with --rollout.engine vllm at DP2 with one engine per DP group. Both learn (last 5 steps >= first 5 + 0.2), the engines' logprobs equal the trainer's
 (rollout_is/rollout_logp_abs_diff), and no engine process outlives the run."""
 import glob
 import json
@@ -13,15 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 
 
-def _launch(tmp_path, name, nproc, *extra):
+def _launch(tmp_path, name, nproc, config, *extra):
     from mgrpo.parallel.distributed import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-           "--rollout.engine", "vllm", "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"),
+           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", config),
+           "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"),
            "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--logging.report", "false", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -55,12 +55,13 @@ def _check(rows, engines, n_engines):
 
 
 def test_vllm_main_job_learns_at_tp2_pp2(tmp_path):
-    rows, engines = _launch(tmp_path, "tp2pp2", 4, "--tp", "2", "--pp", "2")
+    rows, engines = _launch(tmp_path, "tp2pp2", 4, "tiny_cpu_vllm.yaml", "--tp", "2", "--pp", "2")
     assert all(r["rollout/requests/vllm#0"] == 64 for r in rows)
     _check(rows, engines, 1)
 
 
 def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group(tmp_path):
-    rows, engines = _launch(tmp_path, "dp2", 2, "--rollout.engine_placement", "per_dp")
+    rows, engines = _launch(tmp_path, "dp2", 2, "tiny_cpu.yaml", "--rollout.engine", "vllm",
+                            "--rollout.engine_placement", "per_dp")
     assert all((r["rollout/requests/vllm#0"], r["rollout/requests/vllm#1"]) == (32, 32) for r in rows)
     _check(rows, engines, 2)

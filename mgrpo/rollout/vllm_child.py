@@ -18,6 +18,8 @@ import threading
 import time
 
 from mgrpo.rollout import local_rpc
+from mgrpo.rollout import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited by
+#                                        the engine core this process starts, see vllm_worker._quiet_idle_spin)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -83,10 +85,22 @@ class EngineServer:
         self.dtype = str(self.llm.vllm_config.model_config.dtype).replace("torch.", "")
         self.expected, self.optional = hf_manifest(spec["model"], self.dtype)
         self.version, self.poisoned = 0, None
-        self.update_lock = asyncio.Lock()
+        self.gate = asyncio.Condition()  # generation pauses here: updates wait for in-flight calls, new calls wait
+        self.inflight, self.updating = 0, False  # for the update
         self.stop = asyncio.Event()
 
     async def generate(self, requests: list, sampling: dict, eos: int | None) -> list:
+        async with self.gate:
+            await self.gate.wait_for(lambda: not self.updating)
+            self.inflight += 1
+        try:
+            return await self._generate(requests, sampling, eos)
+        finally:
+            async with self.gate:
+                self.inflight -= 1
+                self.gate.notify_all()
+
+    async def _generate(self, requests: list, sampling: dict, eos: int | None) -> list:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -98,7 +112,7 @@ class EngineServer:
             sp = SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
                                 top_k=sampling["top_k"], max_tokens=sampling["max_tokens"], seed=req["seed"],
                                 logprobs=0, ignore_eos=sampling["ignore_eos"], detokenize=False,
-                                stop_token_ids=[eos] if eos is not None else None,
+                                stop_token_ids=[eos] if eos is not None and not sampling["ignore_eos"] else None,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
             rid = f"{req.get('request_id') or 'r'}-{secrets.token_hex(4)}"
             final = None
@@ -113,33 +127,39 @@ class EngineServer:
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
     async def update(self, version: int, channel: str, reset_cache: bool = True) -> dict:
-        """Pause (in-flight requests finish), load every bucket through the worker, reset the prefix cache
-        (vLLM's reload does not: cached KV of the old weights would be reused), stamp the version, resume."""
+        """Pause generation (wait for calls in flight, hold new ones), load every bucket through the worker,
+        reset the prefix cache (vLLM's reload does not: cached KV of the old weights would be reused), stamp
+        the version, resume. This server is the engine's only client, so its gate is the pause; vLLM's own
+        pause_generation (a fixed 20 ms sleep) is not needed on top."""
         if self.poisoned:
             raise RuntimeError(f"engine is poisoned by an earlier update: {self.poisoned}")
-        async with self.update_lock:
-            t0 = time.perf_counter()
-            await self.llm.pause_generation(mode="wait", clear_cache=False)
-            try:
-                t1 = time.perf_counter()
-                results = await self.llm.collective_rpc(
-                    "mgrpo_receive_weights", kwargs=dict(channel=channel, token=self.token,
-                                                         expected=self.expected, optional=self.optional))
-                t2 = time.perf_counter()
-                bad = [r for r in results if not r.get("ok")]
-                if bad:
-                    if any(r.get("poisoned") for r in bad):
-                        self.poisoned = bad[0]["error"]
-                    raise RuntimeError(bad[0]["error"])
-                if reset_cache and not await self.llm.reset_prefix_cache():
-                    raise RuntimeError("vLLM refused to reset the prefix cache after the update")
-                self.version = version
-            finally:
-                await self.llm.resume_generation()
-            receipt = dict(results[0]["receipt"], version=version, load_s=max(r["load_s"] for r in results),
-                           streamed=results[0]["streamed"], pause_s=t1 - t0, rpc_s=t2 - t1,
-                           total_s=time.perf_counter() - t0)
-            return receipt
+        t0 = time.perf_counter()
+        async with self.gate:
+            await self.gate.wait_for(lambda: not self.updating)
+            self.updating = True
+            await self.gate.wait_for(lambda: self.inflight == 0)
+        try:
+            t1 = time.perf_counter()
+            results = await self.llm.collective_rpc(
+                "mgrpo_receive_weights", kwargs=dict(channel=channel, token=self.token, expected=self.expected,
+                                                     optional=self.optional))
+            t2 = time.perf_counter()
+            bad = [r for r in results if not r.get("ok")]
+            if bad:
+                if any(r.get("poisoned") for r in bad):
+                    self.poisoned = bad[0]["error"]
+                raise RuntimeError(bad[0]["error"])
+            if reset_cache and not await self.llm.reset_prefix_cache():
+                self.poisoned = "vLLM refused to reset the prefix cache after an update"
+                raise RuntimeError(self.poisoned)
+            self.version = version
+        finally:
+            async with self.gate:
+                self.updating = False
+                self.gate.notify_all()
+        return dict(results[0]["receipt"], version=version, load_s=max(r["load_s"] for r in results),
+                    streamed=results[0]["streamed"], staged_at=results[0]["staged_at"], pause_s=t1 - t0, rpc_s=t2 - t1,
+                    reset_s=time.perf_counter() - t2, total_s=time.perf_counter() - t0)
 
     async def handle(self, reader, writer) -> None:
         try:

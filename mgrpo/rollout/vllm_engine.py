@@ -118,7 +118,7 @@ class VLLMEngine:
                 for o in out]
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        from mgrpo.rollout.transport import SharedMemoryTransport
+        from mgrpo.rollout.shm_transport import SharedMemoryTransport
 
         kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum), **kwargs)
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)

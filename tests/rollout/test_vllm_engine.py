@@ -182,6 +182,26 @@ def test_streamed_update_through_two_buffers(single_rank, engine, dirs):
     assert worst_diff(out, reqs(seed=4), dirs["other"], T) <= 1e-4
 
 
+def test_an_update_waits_for_generation_in_flight(single_rank, engine, dirs):
+    """Generation is paused for an update: a call already running finishes on the old version (no response mixes
+    versions), and the next call sees the new one."""
+    import threading
+
+    _, old = push(engine, dirs["new"])
+    many = reqs(seed=8, n=16)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, many, SamplingParams(
+        temperature=1.0, max_tokens=96, ignore_eos=True))))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive(), "the generate call must still be in flight when the update starts"
+    _, new = push(engine, dirs["other"])
+    worker.join()
+    assert all(o.weight_versions == [old] * 96 for o in result["out"])
+    after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=1.0, max_tokens=4))
+    assert all(o.weight_versions == [new] * len(o.token_ids) for o in after)
+
+
 def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single_rank, engine, dirs, monkeypatch):
     from safetensors.torch import load_file
 
@@ -194,7 +214,7 @@ def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single
         with pytest.raises(WeightSyncError, match="rejected before loading") as e:
             push(engine, dirs["other"], items=iter(items), bucket_bytes=256 << 10)
         print(f"{what}: {str(e.value)[:160]}")
-    import mgrpo.rollout.transport as transport_module
+    import mgrpo.rollout.shm_transport as transport_module
 
     monkeypatch.setattr(transport_module, "digest", lambda flat, manifest: "0" * 64)  # bytes no longer match
     with pytest.raises(WeightSyncError, match="sha256 mismatch"):
