@@ -71,6 +71,7 @@ def main(argv: list) -> int:
     if denv.rank == 0:
         print(describe_algorithm(cfg), flush=True)
     from mgrpo.resharding.load import CheckpointError
+    from mgrpo.rollout.manager import RolloutError
     from mgrpo.trainer import GRPOTrainer
 
     try:
@@ -79,11 +80,14 @@ def main(argv: list) -> int:
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    from mgrpo.rollout.manager import RolloutError
+    except RolloutError as exc:  # an engine did not start: every rank stops, rank 0 says why
+        if denv.rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
 
     try:
         history = trainer.fit()
-    except RolloutError as exc:  # an engine timed out or failed: every rank stops, rank 0 says why
+    except RolloutError as exc:  # an engine timed out, failed or refused a weight update: all ranks stop
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 1

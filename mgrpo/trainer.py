@@ -22,8 +22,9 @@ from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
-from mgrpo.rollout.engine import check_capabilities, make_engine, truncation_warning
-from mgrpo.rollout.manager import RolloutError, RolloutManager, engine_owners, share_json
+from mgrpo.rollout.engine import truncation_warning
+from mgrpo.rollout.manager import (RolloutError, RolloutManager, engine_owners, push_weights, share_json,
+                                   start_engine)
 from mgrpo.rollout.types import Sample
 
 
@@ -40,9 +41,7 @@ class GRPOTrainer:
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         index = list(self.owners.values()).index(self.rank) if self.rank in self.owners.values() else None
-        self.engine = make_engine(cfg, cfg.model.path, self.tokenizer, index) if index is not None else None
-        if self.engine is not None:
-            check_capabilities(self.engine, cfg)
+        self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
         if self.rank == 0 and truncation_warning(cfg):
             print(truncation_warning(cfg), flush=True)
         self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
@@ -75,11 +74,7 @@ class GRPOTrainer:
         """Every DP replica that has an engine exports to it (views, one copy into the engine)."""
         self.version += 1
         tensors = export_hf(self.actor.models(), dst=self.owners, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
-        if self.transport is not None:
-            self.transport.send(tensors, self.version)
-        else:
-            for _ in tensors:
-                pass
+        push_weights(self.transport, tensors, self.version, list(self.owners.values()))
 
     def step(self, step: int) -> dict:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm

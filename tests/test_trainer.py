@@ -209,3 +209,24 @@ def test_cosine_schedule_with_warmup_follows_the_formula(single_rank, tmp_path, 
 
     assert seen == pytest.approx([reference(k) for k in range(total)], rel=1e-12, abs=1e-15)
     assert seen[-1] == pytest.approx(min_lr)
+
+
+def test_a_rejected_weight_update_stops_the_run_with_one_line(single_rank, tmp_path, tiny_dirs):
+    """The engine refuses a weight version (here: the transport raises as an engine rejection would): the step
+    fails on every rank with one RolloutError naming the version, and the engine keeps its old weights."""
+    from mgrpo.rollout.manager import RolloutError
+    from mgrpo.rollout.transport import WeightSyncError
+
+    trainer = make_trainer(tmp_path, tiny_dirs)
+    before = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+
+    def reject(named_tensors, version):
+        next(iter(named_tensors))
+        raise WeightSyncError("engine hf#0: update rejected before loading, old weights still serve: test")
+
+    trainer.transport.send = reject
+    with pytest.raises(RolloutError, match="weight version 1 not applied: WeightSyncError: engine hf#0"):
+        trainer.step(0)
+    assert trainer.engine.version == 0
+    assert all(torch.equal(before[n], p) for n, p in trainer.engine.model.named_parameters())
+    trainer.close()

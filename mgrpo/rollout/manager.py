@@ -119,3 +119,41 @@ def share_json(payload, owners: list) -> list:
         dist.broadcast(buf, src)
         out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
     return out
+
+
+def fail_together(error: str | None, owners: list) -> None:
+    """Every rank learns whether any engine owner failed (one small broadcast per owner) and raises the first
+    owner's message: a failed engine start or weight update stops all ranks with one line, instead of leaving
+    the others blocked in their next collective."""
+    errors = [p["error"] for p in share_json({"error": error} if error else {}, owners) if "error" in p]
+    if errors:
+        raise RolloutError(errors[0])
+
+
+def start_engine(cfg, tokenizer, owners: dict):
+    """This rank's engine (None where it owns none), started on every owner; all ranks fail together."""
+    from mgrpo.rollout.engine import check_capabilities, make_engine
+
+    rank, engine, error = dist.get_rank(), None, None
+    if rank in owners.values():
+        try:
+            engine = make_engine(cfg, cfg.model.path, tokenizer, list(owners.values()).index(rank))
+            check_capabilities(engine, cfg)
+        except Exception as exc:  # noqa: BLE001  (reported on every rank below)
+            error = f"rank {rank}: the {cfg.rollout.engine} engine did not start: {type(exc).__name__}: {exc}"
+    fail_together(error, list(owners.values()))
+    return engine
+
+
+def push_weights(transport, named_tensors, version: int, owners: list) -> None:
+    """Every rank drives the export (a collective); engine owners push it to their engine; then all ranks fail
+    together if any engine rejected it (the rejecting engine still serves its old version)."""
+    error = None
+    if transport is not None:
+        try:
+            transport.send(named_tensors, version)
+        except Exception as exc:  # noqa: BLE001
+            error = f"rank {dist.get_rank()}: weight version {version} not applied: {type(exc).__name__}: {exc}"
+    for _ in named_tensors:  # ranks without an engine (and a failed push) still take part in the export
+        pass
+    fail_together(error, owners)
