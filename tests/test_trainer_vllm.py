@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-import psutil
+from procs import group_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
@@ -30,17 +30,6 @@ def _launch(tmp_path, name, nproc, config, *extra):
     return rows, engines
 
 
-def _alive(pgid: int) -> list:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    return out
-
-
 def _check(rows, engines, n_engines):
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -51,7 +40,7 @@ def _check(rows, engines, n_engines):
     assert diff < 1e-4, "the engines sample with exactly the weights the trainer synced"
     assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
     assert len(engines) == n_engines
-    assert not any(_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
+    assert not any(group_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
 
 
 def test_vllm_main_job_learns_at_tp2_pp2(tmp_path):

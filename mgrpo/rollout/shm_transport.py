@@ -15,7 +15,7 @@ on the control socket.
 from __future__ import annotations
 
 import os
-import select
+import selectors
 import time
 from typing import Iterable
 
@@ -63,7 +63,10 @@ class SharedMemoryTransport:
 
     def _accept(self, ctl):
         """The worker's connection, or the engine's early error reply (e.g. it is poisoned)."""
-        ready, _, _ = select.select([self.listener, ctl], [], [], self.accept_timeout_s)
+        with selectors.DefaultSelector() as sel:  # poll/epoll: select() fails on descriptors above 1023
+            sel.register(self.listener, selectors.EVENT_READ)
+            sel.register(ctl, selectors.EVENT_READ)
+            ready = [key.fileobj for key, _ in sel.select(self.accept_timeout_s)]
         if ctl in ready:
             reply = local_rpc.recv(ctl)
             raise WeightSyncError(f"engine {self.engine.name} refused the update: {reply.get('error', reply)}")

@@ -1,7 +1,6 @@
 """The HF engine samples from exactly mgrpo's rollout settings and returns that distribution's logprobs, whatever
 the model folder's generation_config.json says; batches with left padding change no logprob; each request's seed
 alone decides its sample; and a weight update is all or nothing."""
-import asyncio
 import json
 import shutil
 
@@ -9,23 +8,11 @@ import pytest
 import torch
 
 from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
-from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.hf_engine import HFEngine, processed_logprobs, request_generator
-from mgrpo.rollout.types import GenerationRequest, SamplingParams
-from trainer_reference import trainer_logprobs
+from mgrpo.rollout.types import SamplingParams
+from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 
 T = 0.7
-# mixed prompt lengths: a batch is left-padded to the longest
-PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
-
-
-def reqs(seed=0, n=2, prompts=PROMPTS):
-    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
-            for j in range(n)]
-
-
-def run(engine, requests, sp):
-    return asyncio.run(engine.generate(requests, sp))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ tampered or incomplete update is rejected with the old version still serving; th
 
 One engine serves the whole module (a start costs ~30 s on 2 cores); every test pushes the weights it needs.
 """
-import asyncio
 import itertools
 import json
 import os
@@ -16,28 +15,17 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 import torch
 
-from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.transport import WeightSyncError
-from mgrpo.rollout.types import GenerationRequest, SamplingParams
+from mgrpo.rollout.types import SamplingParams
 from mgrpo.rollout.vllm_engine import VLLMEngine
-from trainer_reference import trainer_actor, trainer_logprobs
+from engine_helpers import reqs, run, trainer_actor, trainer_logprobs
+from procs import group_alive
 
 T = 0.7
-PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 _versions = itertools.count(1)
-
-
-def reqs(seed=0, n=2, prompts=PROMPTS):
-    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
-            for j in range(n)]
-
-
-def run(engine, requests, sp):
-    return asyncio.run(engine.generate(requests, sp))
 
 
 @pytest.fixture(scope="module")
@@ -270,17 +258,6 @@ _DRIVER = textwrap.dedent("""
 """)
 
 
-def _group_alive(pgid: int) -> list:
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    return out
-
-
 def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_path):
     """Two trainer stand-ins start an engine each; one is SIGKILLed (a crash), one gets Ctrl-C (SIGINT). In
     both cases the engine process and vLLM's engine core are gone within 15 s: no orphans."""
@@ -289,13 +266,13 @@ def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_pat
     drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True)
                for _ in range(2)]
     pids = [int(d.stdout.readline()) for d in drivers]
-    assert all(len(_group_alive(pid)) >= 3 for pid in pids), "engine process, engine core and worker"
+    assert all(len(group_alive(pid)) >= 3 for pid in pids), "engine process, engine core and worker"
     drivers[0].send_signal(signal.SIGKILL)
     drivers[1].send_signal(signal.SIGINT)
     deadline = time.time() + 15
-    while time.time() < deadline and any(_group_alive(pid) for pid in pids):
+    while time.time() < deadline and any(group_alive(pid) for pid in pids):
         time.sleep(0.3)
     for d in drivers:
         d.wait(timeout=30)
-    left = {pid: _group_alive(pid) for pid in pids}
+    left = {pid: group_alive(pid) for pid in pids}
     assert not any(left.values()), f"orphaned engine processes: {left}"

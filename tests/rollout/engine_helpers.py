@@ -1,5 +1,23 @@
-"""The trainer's own (megatron) forward as the reference an engine's logprobs must equal (shared by engine tests)."""
+"""Shared by the engine tests: fixed requests, a sync call into an async engine, and the trainer's own (megatron)
+forward as the reference an engine's logprobs must equal."""
+import asyncio
+
 import torch
+
+from mgrpo.rollout.engine import request_seed
+from mgrpo.rollout.types import GenerationRequest
+
+# mixed prompt lengths: a batch is left-padded to the longest (HF) or scheduled unevenly (vLLM)
+PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+
+
+def reqs(seed=0, n=2, prompts=PROMPTS):
+    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
+            for j in range(n)]
+
+
+def run(engine, requests, sp):
+    return asyncio.run(engine.generate(requests, sp))
 
 _ACTORS = {}
 
