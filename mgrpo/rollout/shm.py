@@ -16,6 +16,11 @@ import torch
 SHM_DIR = "/dev/shm"
 
 
+def buffer_prefix(trainer_pid: int, token: str) -> str:
+    """Names of one engine's buffers: its engine process removes them if the trainer dies without closing."""
+    return f"mgrpo-{trainer_pid}-{token[:8]}"
+
+
 class PosixShmBuffer:
     """A file under /dev/shm (0600, O_EXCL), mapped read-write by both sides. Unlinked by its creator."""
 

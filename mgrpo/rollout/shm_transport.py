@@ -23,7 +23,7 @@ import torch
 
 from mgrpo.resharding.bucket import _align, _dtype_name, digest
 from mgrpo.rollout import local_rpc
-from mgrpo.rollout.shm import BUFFER_KINDS
+from mgrpo.rollout.shm import BUFFER_KINDS, buffer_prefix
 from mgrpo.rollout.transport import WeightSyncError
 
 
@@ -44,7 +44,7 @@ class SharedMemoryTransport:
                              "use 0 (whole update staged) or >= 2")
         self.channel = os.path.join(engine.dir, f"weights-{local_rpc.new_token()[:8]}.sock")
         self.listener = local_rpc.listener(self.channel)
-        self.prefix = f"mgrpo-{os.getpid()}-{engine.token[:8]}"
+        self.prefix = buffer_prefix(os.getpid(), engine.token)
         self.buffers: list = []
         self.accept_timeout_s = accept_timeout_s
         self.last: dict = {}

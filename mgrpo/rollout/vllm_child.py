@@ -8,9 +8,11 @@ worker extension, reset the prefix cache, stamp the version, resume), `health`, 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import secrets
+import shutil
 import signal
 import struct
 import sys
@@ -18,13 +20,21 @@ import threading
 import time
 
 from mgrpo.rollout import local_rpc
+from mgrpo.rollout.shm import SHM_DIR, buffer_prefix
 from mgrpo.rollout import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited by
 #                                        the engine core this process starts, see vllm_worker._quiet_idle_spin)
 
 
-def _die_with_parent(parent: int) -> None:
-    """A trainer that crashes or is killed takes this process group (AsyncLLM's engine core too) with it."""
+def _die_with_parent(parent: int, spec: dict) -> None:
+    """A trainer that crashes or is killed takes this process group (AsyncLLM's engine core too) with it, and
+    what it could not clean up itself: the engine's private socket directory and its shared weight buffers."""
     def kill_group(*_):
+        shutil.rmtree(os.path.dirname(spec["socket"]), ignore_errors=True)
+        for path in glob.glob(os.path.join(SHM_DIR, f"{buffer_prefix(parent, spec['token'])}-*")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def watch():
@@ -200,7 +210,7 @@ class EngineServer:
 
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
-    _die_with_parent(spec["parent_pid"])
+    _die_with_parent(spec["parent_pid"], spec)
 
     async def run():
         await EngineServer(spec).serve()

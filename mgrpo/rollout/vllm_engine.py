@@ -11,6 +11,7 @@ watchdog in the child for crashes and kills.
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from dataclasses import asdict
 
 from mgrpo.rollout import local_rpc
 from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.shm import SHM_DIR, buffer_prefix
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -150,6 +152,12 @@ class VLLMEngine:
             self._log = None
         if getattr(self, "dir", None):
             shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "token", None):  # shared buffers of transports that were never closed
+            for path in glob.glob(os.path.join(SHM_DIR, f"{buffer_prefix(os.getpid(), self.token)}-*")):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         atexit.unregister(self.close)
 
 

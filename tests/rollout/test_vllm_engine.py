@@ -249,23 +249,30 @@ def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_ran
 
 
 _DRIVER = textwrap.dedent("""
-    import sys, time
+    import json, os, sys, time
+    from safetensors.torch import load_file
     from mgrpo.rollout.vllm_engine import VLLMEngine
     if __name__ == "__main__":
         engine = VLLMEngine(sys.argv[1], eos_token_id=None)
-        print(engine.pid, flush=True)
+        transport = engine.weight_transport(1 << 20)
+        transport.send(iter(load_file(os.path.join(sys.argv[1], "model.safetensors")).items()), 1)
+        print(json.dumps({"pid": engine.pid, "files": [engine.dir] + [b.path for b in transport.buffers]}),
+              flush=True)
         time.sleep(600)
 """)
 
 
 def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_path):
-    """Two trainer stand-ins start an engine each; one is SIGKILLed (a crash), one gets Ctrl-C (SIGINT). In
-    both cases the engine process and vLLM's engine core are gone within 15 s: no orphans."""
+    """Two trainer stand-ins start an engine each and push weights once; one is SIGKILLed (a crash), one gets
+    Ctrl-C (SIGINT). In both cases the engine process and vLLM's engine core are gone within 15 s, and so are
+    the engine's socket directory and the shared weight buffers: nothing is left behind."""
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
     drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True)
                for _ in range(2)]
-    pids = [int(d.stdout.readline()) for d in drivers]
+    infos = [json.loads(d.stdout.readline()) for d in drivers]
+    pids = [info["pid"] for info in infos]
+    assert all(os.path.exists(f) for info in infos for f in info["files"])
     assert all(len(group_alive(pid)) >= 3 for pid in pids), "engine process, engine core and worker"
     drivers[0].send_signal(signal.SIGKILL)
     drivers[1].send_signal(signal.SIGINT)
@@ -276,3 +283,5 @@ def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_pat
         d.wait(timeout=30)
     left = {pid: group_alive(pid) for pid in pids}
     assert not any(left.values()), f"orphaned engine processes: {left}"
+    leftovers = [f for info in infos for f in info["files"] if os.path.exists(f)]
+    assert not leftovers, f"socket directory or shared buffers left behind: {leftovers}"
