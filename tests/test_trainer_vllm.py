@@ -1,6 +1,7 @@
 """The main job with the colocated vLLM engine under torchrun: examples/tiny_cpu_vllm.yaml at TP2 x PP2 with one
-engine, and tiny_cpu.yaml with --rollout.engine vllm at DP2 with one engine per DP group. Both learn (last 5 steps >= first 5 + 0.2), the engines' logprobs equal the trainer's
-(rollout_is/rollout_logp_abs_diff), and no engine process outlives the run."""
+engine, and tiny_cpu.yaml with --rollout.engine vllm at DP2 with one engine per DP group. Both learn (last 5
+steps >= first 5 + 0.2), the engines' logprobs equal the trainer's (rollout_is/rollout_logp_abs_diff), and no
+engine process outlives the run."""
 import glob
 import json
 import os
