@@ -23,8 +23,8 @@ from mgrpo.profiling import StepTimer
 from mgrpo.resharding.export import export_hf
 from mgrpo.rewards.registry import score
 from mgrpo.rollout.engine import truncation_warning
-from mgrpo.rollout.manager import (RolloutError, RolloutManager, engine_owners, push_weights, share_json,
-                                   start_engine)
+from mgrpo.rollout.manager import (RolloutError, RolloutManager, engine_owners, owner_index, push_weights,
+                                   share_json, start_engine)
 from mgrpo.rollout.types import Sample
 
 
@@ -40,12 +40,11 @@ class GRPOTrainer:
         self.actor = Actor(cfg, cfg.model.path)
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
-        index = list(self.owners.values()).index(self.rank) if self.rank in self.owners.values() else None
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
         if self.rank == 0 and truncation_warning(cfg):
             print(truncation_warning(cfg), flush=True)
         self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
-        self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, index or 0)
+        self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.version = 0
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)

@@ -15,6 +15,7 @@ import torch
 from mgrpo.resharding.bucket import ManifestCheck
 from mgrpo.resharding.bucket import _dtype_name as dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.transport import InProcessTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 
@@ -126,8 +127,6 @@ class HFEngine:
         return dict(receipt, version=version)
 
     def weight_transport(self, bucket_bytes: int):
-        from mgrpo.rollout.transport import InProcessTransport
-
         return InProcessTransport(self, bucket_bytes)
 
     @torch.no_grad()

@@ -38,6 +38,12 @@ def engine_owners(placement: str) -> dict:
     return {0: 0} if placement == "rank0" else dict(sorted(leaders.items()))
 
 
+def owner_index(owners: dict) -> int | None:
+    """This rank's position among the engine owners (its engine's index), or None if it owns no engine."""
+    ranks = list(owners.values())
+    return ranks.index(dist.get_rank()) if dist.get_rank() in ranks else None
+
+
 def shares(n_prompts: int, n_engines: int) -> list:
     """Contiguous prompt ranges, one per engine, sizes differing by at most one."""
     base, extra = divmod(n_prompts, n_engines)
@@ -134,10 +140,10 @@ def start_engine(cfg, tokenizer, owners: dict):
     """This rank's engine (None where it owns none), started on every owner; all ranks fail together."""
     from mgrpo.rollout.engine import check_capabilities, make_engine
 
-    rank, engine, error = dist.get_rank(), None, None
-    if rank in owners.values():
+    rank, index, engine, error = dist.get_rank(), owner_index(owners), None, None
+    if index is not None:
         try:
-            engine = make_engine(cfg, cfg.model.path, tokenizer, list(owners.values()).index(rank))
+            engine = make_engine(cfg, cfg.model.path, tokenizer, index)
             check_capabilities(engine, cfg)
         except Exception as exc:  # noqa: BLE001  (reported on every rank below)
             error = f"rank {rank}: the {cfg.rollout.engine} engine did not start: {type(exc).__name__}: {exc}"

@@ -47,7 +47,6 @@ class SharedMemoryTransport:
         self.prefix = buffer_prefix(os.getpid(), engine.token)
         self.buffers: list = []
         self.accept_timeout_s = accept_timeout_s
-        self.last: dict = {}
 
     def _buffer(self, slot: int, nbytes: int):
         while len(self.buffers) <= slot:
@@ -115,7 +114,6 @@ class SharedMemoryTransport:
         receipt = dict(reply["result"], **stats, send_total_s=time.perf_counter() - t0)
         # this transport's own time: until the engine holds every bucket, checked, and vLLM's load step begins
         receipt["to_load_s"] = receipt.pop("staged_at") - wall0
-        self.last = receipt
         return receipt
 
     def _stream(self, stream, worker, version: int) -> tuple:

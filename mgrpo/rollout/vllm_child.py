@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import struct
 import sys
 import threading
 import time
@@ -49,19 +48,15 @@ def _die_with_parent(parent: int, spec: dict) -> None:
 def hf_manifest(model_dir: str, dtype: str) -> tuple:
     """(expected {name: (shape, dtype)}, optional names) from the folder's safetensors headers (no tensor is
     read): what a complete weight update must contain. A tied lm_head may be sent or not."""
-    expected = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(model_dir, name), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            expected.update({k: (v["shape"], dtype) for k, v in header.items() if k != "__metadata__"})
+    from mgrpo.resharding.load import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    expected = {name: (list(reader.shape(name)), dtype) for name in reader.where}
     with open(os.path.join(model_dir, "config.json")) as f:
         tied = bool(json.load(f).get("tie_word_embeddings", False))
-    optional = ["lm_head.weight"] if tied else []
     if tied:
         expected.pop("lm_head.weight", None)
-    return expected, optional
+    return expected, ["lm_head.weight"] if tied else []
 
 
 def _cpu_scheduling(spec: dict) -> dict:

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from mgrpo.rollout import local_rpc
 from mgrpo.rollout.engine import Capabilities, register_engine
 from mgrpo.rollout.shm import SHM_DIR, buffer_prefix
+from mgrpo.rollout.shm_transport import SharedMemoryTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -57,7 +58,7 @@ class VLLMEngine:
                  update_checksum: bool = False):
         import torch
 
-        self.model_dir, self.eos, self.version = model_dir, eos_token_id, 0
+        self.model_dir, self.eos = model_dir, eos_token_id
         self.update_ring, self.update_checksum = update_ring, update_checksum
         self.dir = local_rpc.private_dir("mgrpo-vllm-")
         self.socket, self.token = os.path.join(self.dir, "engine.sock"), local_rpc.new_token()
@@ -120,8 +121,6 @@ class VLLMEngine:
                 for o in out]
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        from mgrpo.rollout.shm_transport import SharedMemoryTransport
-
         kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum), **kwargs)
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
@@ -131,22 +130,18 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop the engine process and its engine core; idempotent. Polite first, then the whole group."""
         proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
-            try:
-                self.call("shutdown", timeout=5)
-                proc.wait(timeout=20)
-            except (OSError, local_rpc.RpcError, subprocess.TimeoutExpired):
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the engine core lives in the same process group
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        elif proc is not None:
-            try:
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    self.call("shutdown", timeout=5)
+                    proc.wait(timeout=20)
+                except (OSError, local_rpc.RpcError, subprocess.TimeoutExpired):
+                    pass
+            try:  # the engine core and worker live in the engine process's group, even after it has exited
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            proc.wait()
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
