@@ -52,7 +52,10 @@ def worker(model_dir: str, seq: int, cp: int) -> None:
         actor.forward_backward([mb])
     result = {"cp": cp, "rank": dist.get_rank(), "local_tokens": int(mb["input_ids"].shape[1]),
               "peak_increase_mb": mem.increase_mb, "time_s": time.perf_counter() - t0}
-    print("RESULT " + json.dumps(result), flush=True)
+    # one write per line: both ranks share the pipe, and under PYTHONUNBUFFERED print() writes the text and its
+    # newline separately, so two ranks' lines could interleave (seen once in CI)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
