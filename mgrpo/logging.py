@@ -68,7 +68,7 @@ class RunLogger:
         from mgrpo.config import to_dict
 
         g = cfg.logging
-        self.enabled, self.cfg, self.dir = enabled, cfg, g.output_dir
+        self.enabled, self.cfg, self.dir, self.steps_logged = enabled, cfg, g.output_dir, 0
         if not enabled:
             return
         os.makedirs(self.dir, exist_ok=True)
@@ -94,6 +94,7 @@ class RunLogger:
             return
         for sink in self.sinks:
             sink.write(step, metrics)
+        self.steps_logged += 1
         self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in SHOWN.items() if k in metrics})
         self.bar.update(1)
 
@@ -122,7 +123,7 @@ class RunLogger:
             sink.close()
         if self.completions:
             self.completions.close()
-        if self.cfg.logging.report:
+        if self.cfg.logging.report and self.steps_logged:  # a run that failed before its first step has none
             from mgrpo.report import save_report
 
             path = save_report(self.dir)

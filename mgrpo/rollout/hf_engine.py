@@ -142,5 +142,6 @@ class HFEngine:
 
 @register_engine("hf")
 def _make_hf(cfg, model_dir: str, tokenizer) -> HFEngine:
+    """The engine computes in the trainer's dtype (model.params_dtype), so weights arrive without a cast."""
     return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    max_num_seqs=cfg.rollout.max_num_seqs)
+                    dtype=getattr(torch, cfg.model.params_dtype), max_num_seqs=cfg.rollout.max_num_seqs)
