@@ -14,6 +14,7 @@ CPU = [
     "tensorboard>=2.15",  # logging.tensorboard (its own event-file writer; no TensorFlow)
     "wandb>=0.19",  # logging.wandb (offline mode needs no network)
     "matplotlib>=3.8",  # report.png
+    "datasets>=4",  # data.path: jsonl, json, parquet, save_to_disk folders
 ]
 GPU = [
     "torch>=2.6",
@@ -29,6 +30,7 @@ GPU = [
     "tensorboard>=2.15",
     "wandb>=0.19",
     "matplotlib>=3.8",
+    "datasets>=4",
 ]
 
 setup(

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_layout  # noqa: E402
-from mgrpo.data.dataset import DatasetError, read_prompt_rows  # noqa: E402
+from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
 
@@ -46,22 +46,25 @@ def prepare_tiny_model(cfg, rank: int) -> None:
 
 
 def check(argv: list):
-    """Everything that can be wrong before a process group exists; raises with every problem."""
+    """Everything that can be wrong before a process group exists; raises with every problem. Returns the config,
+    the launch environment and the loaded (training, held-out) prompts."""
     import torch
+
+    from mgrpo.data.tokenizer import load_tokenizer
 
     cfg = load_config(argv=argv)
     denv = read_dist_env()
     prepare_tiny_model(cfg, denv.rank)
     errors = validate_layout(cfg, read_model_info(cfg.model.path), denv.world_size, torch.cuda.is_available())
-    read_prompt_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.messages_key)
     if errors:
         raise ConfigError(errors)
-    return cfg, denv
+    data = load_run_data(cfg, load_tokenizer(cfg.model.path), progress=denv.rank == 0)
+    return cfg, denv, data
 
 
 def main(argv: list) -> int:
     try:
-        cfg, denv = check(argv)
+        cfg, denv, data = check(argv)
     except (ConfigError, ModelConfigError, DatasetError) as exc:
         if read_dist_env().rank == 0:
             lines = str(exc).splitlines()
@@ -75,7 +78,7 @@ def main(argv: list) -> int:
     from mgrpo.trainer import GRPOTrainer
 
     try:
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, data)
     except CheckpointError as exc:  # a missing or damaged weight shard, found while loading this rank's slices
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)

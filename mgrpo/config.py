@@ -105,6 +105,9 @@ class AlgorithmConfig:
     rollout_is_mode: Optional[str] = None  # token_* | seq_geomean_* | seq_product_* with *=truncate|mask (see loss)
     rollout_is_threshold: float = 2.0
     rollout_is_lower: Optional[float] = None
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, re-sample new prompts in their place
+    max_resample_times: int = 3  # extra generation rounds per step for dynamic sampling (ms-swift's name)
+    overlong_filter: bool = False  # truncated samples (finish_reason == "length") get loss mask 0
 
 
 @dataclass
@@ -116,11 +119,26 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # local .jsonl with a `prompt` (string) or `messages` (chat list) column
-    prompt_key: str = "prompt"
-    messages_key: str = "messages"
+    path: str = ""  # .jsonl, .json, .parquet or a save_to_disk folder with a `prompt` or `messages` column
+    prompt_key: str = "prompt"  # a string column
+    messages_key: str = "messages"  # a chat list column ({role, content}); used when the row has it
     apply_chat_template: bool = True
-    shuffle: bool = True
+    shuffle: bool = True  # a new order every epoch, fixed by train.seed
+    max_prompt_length: Optional[int] = None  # tokens; longer prompts are dropped at load and counted (null: keep all)
+
+
+@dataclass
+class EvalConfig:
+    """Validation on a held-out prompt file every `interval` steps (off by default); metrics under val/."""
+    path: str = ""  # same formats and columns as data.path
+    interval: int = 0  # steps; 0 = never. Also after the last step
+    n: int = 1  # samples per prompt; pass@k needs n >= k
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_tokens: Optional[int] = None  # null: rollout.max_tokens
+    k: list = field(default_factory=list)  # pass@k for each k (pass@1 always); e.g. [4, 8] with n: 8
+    pass_reward: Optional[str] = None  # the reward function whose score decides a pass (null: the weighted total)
+    pass_threshold: float = 1.0  # a sample passes when that score is >= this
 
 
 @dataclass
@@ -173,6 +191,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -182,7 +201,7 @@ SHORT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--cp": "parallel.c
                "--ep": "parallel.ep", "--sp": "parallel.sp"}
 
 
-def _suggest(name: str, options) -> str:
+def suggest(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
@@ -242,7 +261,7 @@ def _build(cls, data: dict, where: str, errors: list[str]):
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            errors.append(f"unknown key '{path}'{_suggest(str(key), names)}")
+            errors.append(f"unknown key '{path}'{suggest(str(key), names)}")
             continue
         sub = _dataclass_type(hints[key])
         if sub is not None and value is not None:
@@ -310,13 +329,15 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
+    from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_data, check_eval,
+                                     check_logging, check_sampling, check_vllm)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
         e.append(f"rollout.engine={r.engine!r} is not available in this build (remote engines are planned); "
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
-        e += _check_vllm(r)
+        e += check_vllm(r)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
     if r.request_timeout_s <= 0:
@@ -332,8 +353,9 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
     if a.scale_rewards not in (None, "group", "batch", "none"):
         e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch, none or null")
-    names = _check_algorithm_names(a)
-    e += names or _check_algorithm_numbers(a)
+    names = check_algorithm_names(a)
+    e += names or check_algorithm_numbers(a)
+    e += check_sampling(a)
     if t.steps < 1 or t.micro_batch_size < 1:
         e.append("train.steps and train.micro_batch_size must be >= 1")
     if t.steps_per_generation < 1 or t.num_iterations < 1:
@@ -345,98 +367,12 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
     if t.warmup_steps < 0 or not 0 <= t.min_lr <= t.lr:
         e.append(f"train.warmup_steps={t.warmup_steps} must be >= 0 and train.min_lr={t.min_lr} in [0, train.lr]")
-    e += _check_logging(cfg.logging)
-    if not cfg.data.path:
-        e.append("data.path is empty; give a local .jsonl file")
-    elif not os.path.isfile(cfg.data.path):
-        e.append(f"data.path={cfg.data.path!r}: file not found; check the path (relative paths are from the "
-                 f"current directory {os.getcwd()})")
+    e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data)
     return e
 
 
-def _check_algorithm_names(a) -> list:
-    from mgrpo.loss.kl import _ALIASES, _KL
-    from mgrpo.loss.presets import AGGREGATIONS, PRESETS
-    from mgrpo.loss.registry import _ADVANTAGE, _POLICY, advantages
-    from mgrpo.loss.rollout_correction import ALIASES as IS_ALIASES
-    from mgrpo.loss.rollout_correction import MODES as IS_MODES
-
-    advantages("grpo")  # loads the built-ins
-    e = []
-    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, list(_ADVANTAGE), False),
-              ("policy_loss", a.policy_loss, list(_POLICY), False),
-              ("aggregation", a.aggregation, list(AGGREGATIONS), False),
-              ("kl_estimator", a.kl_estimator, list(_KL) + list(_ALIASES), False),
-              ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
-    for name, value, known, nullable in checks:
-        if (value is None and not nullable) or (value is not None and value not in known):
-            e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
-    return e
 
 
-def _check_vllm(r) -> list:
-    import importlib.util
-
-    v, e = r.vllm, []
-    if importlib.util.find_spec("vllm") is None:
-        e.append("rollout.engine=vllm but the vllm package is not installed; run bash scripts/setup.sh (CPU) or "
-                 "pip install -e .[gpu], or use rollout.engine=hf")
-    if v.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        e.append(f"rollout.vllm.dtype={v.dtype!r}; use auto, float32, bfloat16 or float16")
-    if v.update_ring is not None and (v.update_ring < 0 or v.update_ring == 1):
-        e.append(f"rollout.vllm.update_ring={v.update_ring}; use 0 (stage the whole update) or >= 2")
-    if not 0 < v.gpu_memory_utilization <= 1 or v.kv_cache_gb <= 0 or v.tensor_parallel_size < 1:
-        e.append("rollout.vllm.gpu_memory_utilization must be in (0, 1], kv_cache_gb > 0, tensor_parallel_size >= 1")
-    return e
-
-
-def _check_logging(g) -> list:
-    import importlib.util
-
-    e = []
-    if g.completions_interval < 0:
-        e.append(f"logging.completions_interval={g.completions_interval} must be >= 0 (0 = never)")
-    if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        e.append("logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
-                 "or set logging.tensorboard=false")
-    if g.wandb is not None:
-        if g.wandb.mode not in (None, "online", "offline", "disabled"):
-            e.append(f"logging.wandb.mode={g.wandb.mode!r}; use online, offline, disabled or null")
-        if importlib.util.find_spec("wandb") is None:
-            e.append("logging.wandb is set but the wandb package is not installed; pip install wandb or remove "
-                     "logging.wandb")
-    return e
-
-
-def _check_algorithm_numbers(a) -> list:
-    """Ranges of the resolved algorithm values; each message names the field and the fix."""
-    from mgrpo.loss.policy import resolve_epsilons
-
-    e = []
-    low, high = resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)
-    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
-        e.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip caps the loss at -A x c where "
-                 f"A < 0); use e.g. 3.0 (verl's value) or null to turn it off")
-    if a.policy_loss == "cispo":
-        if high is None or high <= 1:
-            e.append(f"algorithm.epsilon_high={high} is CISPO's absolute cap on the ratio and must be > 1; use e.g. "
-                     f"5.0 (or null for the default 5.0)")
-    else:
-        if low is not None and not 0 <= low < 1:
-            e.append(f"algorithm.epsilon_low={low} must be in [0, 1) (the ratio is clipped below at 1 - "
-                     f"epsilon_low); use e.g. 0.2")
-        if high is not None and high <= 0:
-            e.append(f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
-                     f"use e.g. 0.2 or 0.28")
-    if a.kl_coef < 0:
-        e.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
-                 f"reference); use 0 to turn KL off")
-    if a.rollout_is_threshold <= 0:
-        e.append(f"algorithm.rollout_is_threshold={a.rollout_is_threshold} must be > 0; use e.g. 2.0")
-    elif a.rollout_is_lower is not None and not 0 <= a.rollout_is_lower < a.rollout_is_threshold:
-        e.append(f"algorithm.rollout_is_lower={a.rollout_is_lower} must be >= 0 and below rollout_is_threshold="
-                 f"{a.rollout_is_threshold}; use e.g. 0.5 or null for no lower bound")
-    return e
 
 
 def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> list[str]:
@@ -550,7 +486,8 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
     cfg = _build(Config, _merge(data, overrides), "", errors)
     if not errors:
         _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
-        errors += validate(cfg) if check_files else [x for x in validate(cfg) if not x.startswith("data.path")]
+        found = validate(cfg)
+        errors += found if check_files else [x for x in found if not x.startswith(("data.path", "eval.path"))]
     if errors:
         raise ConfigError(errors)
     return cfg

@@ -100,6 +100,8 @@ def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, 
     step_time = sum(timings.values())
     metrics.update({f"timing/{k}": v for k, v in timings.items()}, **{"timing/step": step_time})
     metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
+    if cfg.algorithm.overlong_filter:  # samples given loss mask 0 for stopping at rollout.max_tokens
+        metrics["response_length/overlong_filtered"] = sum(s.finish_reason == "length" for s in samples)
     if cfg.algorithm.rollout_is_mode:
         from mgrpo.data.batching import missing_rollout_logprobs
 

@@ -1,17 +1,17 @@
-"""The GRPO loop, top to bottom: rollout -> reward -> advantages -> old logprobs -> train -> weight sync.
+"""The GRPO loop, top to bottom: rollout -> reward (-> dynamic sampling) -> advantages -> old logprobs -> train ->
+weight sync (-> validation).
 
 Engines live on global rank 0 or on the first rank of each DP replica (`rollout.engine_placement`); their
 samples reach every rank as JSON bytes, and each replica exports its weights to its own engine.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch.distributed as dist
 
 from mgrpo.actor import Actor
 from mgrpo.data.batching import build_generation_batch, describe_batching, sequence_kl
-from mgrpo.data.dataset import PromptStream, read_prompt_rows
+from mgrpo.data.dataset import PromptStream, load_run_data
+from mgrpo.data.dynamic_sampling import collect, unit_groups
 from mgrpo.data.tokenizer import load_tokenizer
 from mgrpo.logging import RunLogger
 from mgrpo.loss.advantages import compute_advantages
@@ -21,22 +21,22 @@ from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resharding.export import export_hf
-from mgrpo.rewards.registry import score
 from mgrpo.rollout.engine import truncation_warning
-from mgrpo.rollout.manager import (RolloutError, RolloutManager, engine_owners, owner_index, push_weights,
-                                   share_json, start_engine)
-from mgrpo.rollout.types import Sample
+from mgrpo.rollout.manager import RolloutManager, engine_owners, owner_index, push_weights, start_engine
+from mgrpo.validation import Validator
 
 
 class GRPOTrainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, data: tuple | None = None):
+        """`data`: (training, held-out) PromptSets already loaded by the launcher, or None to load them here."""
         self.cfg = cfg
         init_distributed()
         setup_model_parallel(cfg.parallel, cfg.train.seed)
         self.rank = dist.get_rank()
+        self.dp = dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        rows = read_prompt_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.messages_key)
-        self.prompts = PromptStream(rows, cfg.rollout.prompts_per_step, cfg.data.shuffle, cfg.train.seed)
+        train_set, val_set = data or load_run_data(cfg, self.tokenizer)
+        self.prompts = PromptStream(train_set.rows, cfg.rollout.prompts_per_step, cfg.data.shuffle, cfg.train.seed)
         self.actor = Actor(cfg, cfg.model.path)
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
@@ -45,29 +45,27 @@ class GRPOTrainer:
             print(truncation_warning(cfg), flush=True)
         self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
+        self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
         self.version = 0
         self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
-            dp = dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-            print(describe_batching(cfg, dp), flush=True)
+            print("\n".join(["data: " + train_set.summary()] + (["eval: " + val_set.summary()] if val_set else [])
+                            + [describe_batching(cfg, self.dp)]), flush=True)
 
-    def rollout_and_score(self, step: int) -> list:
-        """Each engine owner generates and scores its share; every rank gets every sample (or the first error)."""
-        rows = self.prompts.next_batch()  # every rank draws, so the data stream stays in step
-        payload = {"samples": []}
-        if self.engine is not None:
-            try:
-                samples = self.rollout.generate_share(rows, step)
-                score(samples, self.tokenizer, self.cfg.reward.funcs, self.cfg.reward.weights, self.cfg.reward.kwargs)
-                payload = {"samples": [asdict(s) for s in samples]}
-            except Exception as exc:  # every rank must leave the collective below, then fail together
-                payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}
-        gathered = share_json(payload, list(self.owners.values()))
-        errors = [p["error"] for p in gathered if "error" in p]
-        if errors:
-            raise RolloutError(errors[0])
-        return sorted((Sample(**d) for p in gathered for d in p["samples"]), key=lambda s: s.group_id)
+    def rollout_and_score(self, step: int, round_: int = 0) -> list:
+        """A fresh batch of prompts, generated and scored by the engines; every rank gets every sample."""
+        return self.rollout.rollout(self.prompts.next_batch(), step, round_)  # every rank draws: streams stay in step
+
+    def collect(self, step: int) -> tuple:
+        """The step's training samples and their metrics: one round, or DAPO dynamic sampling's several."""
+        a = self.cfg.algorithm
+        if not a.dynamic_sampling:
+            return self.rollout_and_score(step), {}
+        draw = lambda round_: self.rollout_and_score(step, round_)  # noqa: E731
+        samples, counts = collect(draw, self.cfg.rollout.prompts_per_step, unit_groups(self.cfg, self.dp),
+                                  a.max_resample_times, warn=self.rank == 0)
+        return samples, counts.metrics()
 
     def sync_weights(self) -> None:
         """Every DP replica that has an engine exports to it (views, one copy into the engine)."""
@@ -78,13 +76,13 @@ class GRPOTrainer:
     def step(self, step: int) -> dict:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
         with timer("rollout"):
-            samples = self.rollout_and_score(step)
+            samples, extra = self.collect(step)
         batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0)
         for key, actor in (("old_logp", self.actor if batch.needs_old_logprobs else None), ("ref_logp", self.ref)):
             if actor is not None:
                 with timer(key.replace("_logp", "_logprob")):
                     batch.set_logprobs(key, actor)
-        rewards, extra = batch.rewards, {}
+        rewards = batch.rewards
         if self.ref is not None and alg.kl_in_reward:
             seq_kl = sequence_kl(batch)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
@@ -96,7 +94,10 @@ class GRPOTrainer:
         with timer("sync"):
             self.sync_weights()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer)
+        extra["data/epoch"] = self.prompts.epoch
         metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, timer.totals, self.version)
+        if self.validator and self.validator.due(step + 1):  # after the sync: the current weights
+            metrics.update(self.validator.run(step, self.version))
         return metrics
 
     def maybe_save(self, done_steps: int) -> None:

@@ -121,10 +121,10 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
         expect = "unknown key 'rollout.max_token'; did you mean 'max_tokens'?"
     elif case == "missing_data":
         base["data"]["path"] = str(tmp_path / "nope.jsonl")
-        expect = "nope.jsonl': file not found"
+        expect = "nope.jsonl': not found"
     elif case == "row_without_prompt":
         data.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "x"}) + "\n")
-        expect = "row 1 has no prompt"
+        expect = "row 1: no prompt"
     elif case == "dp_divisible":
         args, world = ["--rollout.prompts_per_step", "3", "--rollout.n", "1"], 2
         expect = "rollout.prompts_per_step x rollout.n = 3 is not divisible by data-parallel size 2"

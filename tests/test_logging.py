@@ -15,6 +15,8 @@ EXPECTED = ["reward/mean", "reward/std", "reward/token_fraction", "response_leng
             "actor/clip_frac", "actor/clip_frac_low", "actor/clip_frac_high", "actor/grad_norm", "actor/lr",
             "actor/loss", "perf/tokens_per_s", "timing/rollout", "timing/old_logprob", "timing/ref_logprob",
             "timing/train", "timing/sync", "timing/step", "weight_version"]
+VAL = ["val/pass@1", "val/pass@2", "val/reward/mean", "val/reward/token_fraction", "val/response_length/mean",
+       "timing/val"]  # validation after the last step only
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,9 @@ def run_dir(single_rank, tiny_dirs, tmp_path_factory):
         "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
         "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", str(STEPS),
         "--logging.tensorboard", "true", "--logging.wandb.mode", "offline", "--logging.wandb.project", "mgrpo-test",
-        "--logging.completions_interval", "1", "--algorithm.kl_coef", "0.01"])
+        "--logging.completions_interval", "1", "--algorithm.kl_coef", "0.01", "--eval.interval", "5",
+        "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.n", "2", "--eval.temperature", "1",
+        "--eval.k", "[2]"])
     cfg.model.tiny = None
     history = GRPOTrainer(cfg).fit()
     return str(out), history
@@ -41,6 +45,8 @@ def test_metrics_jsonl_has_the_names_users_know(run_dir):
     assert [r["step"] for r in rows] == list(range(STEPS))
     for key in EXPECTED:
         assert all(key in r for r in rows), f"{key} missing from metrics.jsonl"
+    for key in VAL:
+        assert [key in r for r in rows] == [False] * (STEPS - 1) + [True], key
     assert rows == [{"step": i, **h} for i, h in enumerate(history)]
     assert rows[-1]["timing/step"] == pytest.approx(sum(rows[-1][f"timing/{k}"] for k in (
         "rollout", "old_logprob", "ref_logprob", "train", "sync")))
@@ -54,8 +60,11 @@ def test_tensorboard_event_files_read_back(run_dir):
     acc = EventAccumulator(os.path.join(out, "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert set(EXPECTED) <= tags
-    assert tags == {k for k in history[0] if not isinstance(history[0][k], bool)}
+    assert set(EXPECTED) | set(VAL) <= tags
+    assert tags == {k for h in history for k in h if not isinstance(h[k], bool)}
+    for key in VAL:
+        assert [e.step for e in acc.Scalars(key)] == [STEPS - 1], key
+        assert acc.Scalars(key)[0].value == pytest.approx(history[-1][key], rel=1e-6)
     for key in EXPECTED:
         events = acc.Scalars(key)
         assert [e.step for e in events] == list(range(STEPS)), key
@@ -69,6 +78,7 @@ def test_wandb_offline_run_has_the_same_keys(run_dir):
     for row, h in zip(rows, history):
         assert {k for k in row if not k.startswith("_")} == set(h)
         assert row["reward/mean"] == pytest.approx(h["reward/mean"])
+    assert set(VAL) <= set(rows[-1]) and rows[-1]["val/pass@1"] == pytest.approx(history[-1]["val/pass@1"])
     assert [r["_step"] for r in rows] == list(range(STEPS))
 
 

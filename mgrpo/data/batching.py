@@ -1,9 +1,10 @@
 """Generation batch -> mini-batches -> this rank's micro-batches.
 
-`rollout.prompts_per_step x rollout.n` samples form a generation batch; it is cut into
-`train.steps_per_generation` contiguous mini-batches (one optimizer step each), replayed `train.num_iterations`
-times. Failed samples (NaN reward) train nothing and leave the counts; each mini-batch's aggregation weights come
-from its own global counts; each mini-batch is sharded over DP and cut into micro-batches (CP split inside).
+`rollout.prompts_per_step x rollout.n` samples (fewer with dynamic sampling) form a generation batch; it is cut
+into `train.steps_per_generation` contiguous mini-batches (one optimizer step each), replayed
+`train.num_iterations` times. Failed samples (NaN reward) and, with `algorithm.overlong_filter`, truncated ones
+train nothing and leave the counts; each mini-batch's aggregation weights come from its own global counts; each
+mini-batch is sharded over DP and cut into micro-batches (CP split inside).
 Old logprobs are needed only when the buffer is reused (or for the KL-in-reward penalty): with one update per
 generation batch they equal the current policy's, and the loss uses its own logprobs, detached.
 """
@@ -79,9 +80,17 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
                            dtype=torch.float64)
     valid = valid_mask(rewards)
-    for s, ok in zip(samples, valid.tolist()):
-        if not ok:  # a failed reward trains nothing
+    trained = valid.clone()
+    for k, s in enumerate(samples):
+        if alg.overlong_filter and s.finish_reason == "length":
+            trained[k] = False  # DAPO overlong filtering: a truncated answer is neither right nor wrong
+        if not trained[k]:  # a failed reward or a filtered truncation trains nothing
             s.loss_mask = [0] * len(s.loss_mask)
+    overlong = sum(s.finish_reason == "length" for s in samples) if alg.overlong_filter else 0
+    if overlong == len(samples) and warn:
+        log.warning("all %d samples stopped at rollout.max_tokens=%d and algorithm.overlong_filter masks them: this "
+                    "step trains nothing (zero gradients). Raise rollout.max_tokens or turn overlong_filter off",
+                    len(samples), cfg.rollout.max_tokens)
     missing = missing_rollout_logprobs(samples)
     if missing and alg.rollout_is_mode and warn:
         log.warning("%d of %d samples have no rollout logprobs: they are left out of the rollout IS correction "
@@ -92,7 +101,7 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -
     for k in range(t.steps_per_generation):
         idx = list(range(k * size, (k + 1) * size))
         chunk = [samples[i] for i in idx]
-        weights = token_weights(chunk, alg.aggregation, cfg.rollout.max_tokens, include=valid[idx].tolist())
+        weights = token_weights(chunk, alg.aggregation, cfg.rollout.max_tokens, include=trained[idx].tolist())
         local = dp_shard(list(range(len(idx))), dp_rank, dp)
         mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
                                 cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,

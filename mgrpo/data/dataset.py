@@ -1,67 +1,176 @@
-"""Prompt datasets from local jsonl files: a `prompt` string or a `messages` chat list per row."""
+"""Prompt datasets through HF `datasets`: local jsonl, json, parquet files and `save_to_disk` folders.
+
+Each row needs a `prompt` string or a `messages` chat list (`data.prompt_key` / `data.messages_key`); every
+other column travels with the row into `Sample.info`, where reward functions read it by name. Prompts are
+tokenized once at load (through the tokenizer's chat template) and rows longer than `data.max_prompt_length`
+are dropped and counted, never truncated. Every unusable row is reported, one line each (file, row, fix),
+before any process group starts. `PromptStream` walks the rows in an epoch order that depends only on (seed,
+epoch), so its position is two integers that a checkpoint can save and restore.
+"""
 from __future__ import annotations
 
-import json
+import logging
 import os
 import random
+from dataclasses import dataclass, field
+
+log = logging.getLogger("mgrpo.data")
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+MAX_REPORTED = 20  # bad rows listed one per line; the rest are counted
 
 
 class DatasetError(ValueError):
-    """A dataset file or row we cannot use; the message names the file, row and fix."""
+    """A dataset file or row we cannot use; one line per problem, each naming the file, the row and the fix."""
 
 
-def read_prompt_rows(path: str, prompt_key: str = "prompt", messages_key: str = "messages") -> list:
-    """Rows as dicts with a `messages` list; other columns pass through unchanged."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"data.path={path!r}: file not found")
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}: row {i} is not valid JSON ({exc.msg}); fix or remove the line") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}: row {i} is not a JSON object")
-            if isinstance(row.get(messages_key), list) and row[messages_key]:
-                messages = row[messages_key]
-            elif isinstance(row.get(prompt_key), str) and row[prompt_key].strip():
-                messages = [{"role": "user", "content": row[prompt_key]}]
-            else:
-                raise DatasetError(f"{path}: row {i} has no prompt: add a non-empty '{prompt_key}' string or a "
-                                   f"'{messages_key}' list (or set data.prompt_key)")
-            extra = {k: v for k, v in row.items() if k not in (prompt_key, messages_key)}
-            rows.append({"messages": messages, **extra})
-    if not rows:
-        raise DatasetError(f"{path}: no rows")
-    return rows
+@dataclass
+class PromptSet:
+    """A loaded, checked, tokenized prompt file."""
+    path: str
+    rows: list  # {"messages": [...], "prompt_ids": [...], **other columns}
+    total: int  # rows in the file
+    too_long: int = 0  # dropped: longer than data.max_prompt_length tokens
+    columns: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        kept = f"{len(self.rows)} of {self.total} prompts"
+        cut = f"; {self.too_long} longer than max_prompt_length dropped" if self.too_long else ""
+        return f"{self.path}: {kept}{cut}; columns {', '.join(self.columns)}"
+
+
+def open_table(path: str, field_name: str = "data.path"):
+    """The file or folder as a `datasets.Dataset` (one split), or DatasetError naming the field and the fix."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if not os.path.exists(path):
+        raise DatasetError(f"{field_name}={path!r}: not found; give a .jsonl, .json or .parquet file or a "
+                           f"save_to_disk folder (relative paths are from {os.getcwd()})")
+    try:
+        if os.path.isdir(path):
+            table = datasets.load_from_disk(path)
+            if isinstance(table, datasets.DatasetDict):
+                splits = ", ".join(table)
+                raise DatasetError(f"{field_name}={path!r} holds several splits ({splits}); point at one split's "
+                                   f"folder, e.g. {os.path.join(path, next(iter(table)))}")
+            return table
+        kind = FORMATS.get(os.path.splitext(path)[1].lower())
+        if kind is None:
+            raise DatasetError(f"{field_name}={path!r}: unknown format; use .jsonl, .json, .parquet or a "
+                               f"save_to_disk folder")
+        return datasets.load_dataset(kind, data_files=path, split="train")
+    except DatasetError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (arrow, json and file errors: one line naming the file)
+        text = " ".join(str(exc).split())[:300]
+        raise DatasetError(f"{field_name}={path!r}: cannot be read as a dataset ({type(exc).__name__}: {text}); "
+                           f"check the file's format") from None
+
+
+def row_messages(row: dict, prompt_key: str, messages_key: str) -> tuple:
+    """(messages, None) for a usable row, or (None, why it is not usable and how to fix it)."""
+    messages, prompt = row.get(messages_key), row.get(prompt_key)
+    if messages is not None:
+        if not isinstance(messages, list):
+            return None, f"'{messages_key}' is a {type(messages).__name__}; it must be a list of " \
+                         f"{{role, content}} messages"
+        if not messages:
+            return None, f"'{messages_key}' is empty; give at least one {{role, content}} message"
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return None, f"'{messages_key}'[{k}] is not a {{role: str, content: str}} message"
+        return messages, None
+    if prompt is None:
+        return None, f"no prompt; add a non-empty '{prompt_key}' string or a '{messages_key}' list (or set " \
+                     f"data.prompt_key / data.messages_key)"
+    if not isinstance(prompt, str):
+        return None, f"'{prompt_key}' is a {type(prompt).__name__}; it must be a string"
+    if not prompt.strip():
+        return None, f"'{prompt_key}' is empty; give the prompt text or remove the row"
+    return [{"role": "user", "content": prompt}], None
 
 
 def encode_prompt(tokenizer, messages: list, apply_chat_template: bool = True) -> list:
+    """Prompt token ids: the chat template with the generation prompt, or the plain text if there is none."""
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
+def load_prompts(path: str, tokenizer, data_cfg, field_name: str = "data.path", progress: bool = False) -> PromptSet:
+    """Read, check and tokenize every row; raises DatasetError listing every bad row (one line each)."""
+    from tqdm import tqdm
+
+    table = open_table(path, field_name)
+    pk, mk, limit = data_cfg.prompt_key, data_cfg.messages_key, data_cfg.max_prompt_length
+    columns = list(table.column_names)
+    if pk not in columns and mk not in columns:
+        raise DatasetError(f"{path}: no '{pk}' or '{mk}' column (columns: {', '.join(columns)}); rename the "
+                           f"prompt column or set data.prompt_key / data.messages_key")
+    rows, bad, too_long = [], [], 0
+    for i, row in enumerate(tqdm(table, desc=f"prompts {os.path.basename(path)}", unit="row",
+                                 disable=not progress or len(table) < 5000)):
+        messages, why = row_messages(row, pk, mk)
+        if why:
+            bad.append(f"{path}: row {i}: {why}")
+            continue
+        ids = encode_prompt(tokenizer, messages, data_cfg.apply_chat_template)
+        if limit is not None and len(ids) > limit:
+            too_long += 1
+            continue
+        extra = {k: v for k, v in row.items() if k not in (pk, mk) and v is not None}
+        rows.append({**extra, "messages": messages, "prompt_ids": ids})
+    if bad:
+        more = [f"{path}: ... and {len(bad) - MAX_REPORTED} more bad rows"] if len(bad) > MAX_REPORTED else []
+        raise DatasetError("\n".join(bad[:MAX_REPORTED] + more))
+    if not rows:
+        why = f"all {len(table)} prompts are longer than data.max_prompt_length={limit} tokens; raise it" \
+            if too_long else "no rows"
+        raise DatasetError(f"{path}: {why}")
+    return PromptSet(path, rows, len(table), too_long, columns)
+
+
+def load_run_data(cfg, tokenizer, progress: bool = False) -> tuple:
+    """(training PromptSet, held-out PromptSet or None when validation is off)."""
+    train = load_prompts(cfg.data.path, tokenizer, cfg.data, "data.path", progress)
+    held_out = load_prompts(cfg.eval.path, tokenizer, cfg.data, "eval.path", progress) if cfg.eval.interval else None
+    return train, held_out
+
+
 class PromptStream:
-    """Endless, epoch-shuffled batches of prompt rows; deterministic for a seed."""
+    """Endless batches of prompt rows. Epoch e's order is a shuffle seeded by (seed, e) alone, so the position
+    is (epoch, index) and `load_state_dict` puts a new stream exactly where a saved one was."""
 
     def __init__(self, rows: list, batch_size: int, shuffle: bool = True, seed: int = 0):
-        self.rows, self.batch_size, self.shuffle = rows, batch_size, shuffle
-        self.rng = random.Random(seed)
-        self.order, self.pos = [], 0
+        self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
+        self.epoch, self.pos = 0, 0
+        self.order = self._order(0)
 
-    def next_batch(self) -> list:
+    def _order(self, epoch: int) -> list:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, size: int | None = None) -> list:
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < (size or self.batch_size):
             if self.pos >= len(self.order):
-                self.order = list(range(len(self.rows)))
-                if self.shuffle:
-                    self.rng.shuffle(self.order)
-                self.pos = 0
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = self._order(self.epoch)
             batch.append(self.rows[self.order[self.pos]])
             self.pos += 1
         return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "rows": len(self.rows), "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("rows") != len(self.rows):
+            raise DatasetError(f"the saved prompt position is for a dataset of {state.get('rows')} rows, this one "
+                               f"has {len(self.rows)}; resume with the same data.path and data.max_prompt_length")
+        self.seed, self.shuffle = state["seed"], state["shuffle"]
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self.order = self._order(self.epoch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -64,14 +65,12 @@ class RolloutManager:
         r = self.cfg.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
 
-    def requests_for(self, rows: list, step: int, prompt_indices) -> tuple:
-        """(requests, prompts) of the given prompts of this step, n requests per prompt, seeded per sample."""
-        n, seed = self.cfg.rollout.n, self.cfg.train.seed
-        prompts = {i: encode_prompt(self.tokenizer, rows[i]["messages"], self.cfg.data.apply_chat_template)
-                   for i in prompt_indices}
-        reqs = [GenerationRequest(prompts[i], request_seed(seed, step, i, j), f"{step}-{i}-{j}")
+    def requests_for(self, rows: list, step: int, prompt_indices, n: int, first: int = 0, tag: str = "") -> list:
+        """n requests per prompt, seeded per sample by (step, prompt index first + i, sample index)."""
+        seed = self.cfg.train.seed + (7919 if tag else 0)  # validation draws its own streams
+        return [GenerationRequest(prompt_ids(self.tokenizer, rows[i], self.cfg.data.apply_chat_template),
+                                  request_seed(seed, step, first + i, j), f"{tag}{step}-{first + i}-{j}")
                 for i in prompt_indices for j in range(n)]
-        return reqs, prompts
 
     async def _run(self, requests: list, sampling: SamplingParams) -> list:
         chunk, timeout = self.cfg.rollout.max_inflight, self.cfg.rollout.request_timeout_s
@@ -90,21 +89,57 @@ class RolloutManager:
             results = [await one(p) for p in parts]
         return [resp for part in results for resp in part]
 
-    def generate_share(self, rows: list, step: int) -> list:
-        """This engine's share of the step's prompts as Samples (group ids global, in prompt order)."""
+    def rounds_per_step(self) -> int:
+        a = self.cfg.algorithm
+        return 1 + (a.max_resample_times if a.dynamic_sampling else 0)
+
+    def generate_share(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
+                       n: int | None = None, tag: str = "") -> list:
+        """This engine's share of `rows` as Samples, n per prompt. Round r of a step (dynamic sampling draws
+        several) numbers its prompts from r x len(rows): group ids and sampling seeds never repeat."""
         mine = shares(len(rows), len(self.owners))[self.index]
-        requests, prompts = self.requests_for(rows, step, mine)
-        responses = asyncio.run(self._run(requests, self.sampling()))
-        samples, n = [], self.cfg.rollout.n
+        n = n or self.cfg.rollout.n
+        first = round_ * len(rows)
+        first_group = step * self.rounds_per_step() * len(rows) + first
+        requests = self.requests_for(rows, step, mine, n, first=first, tag=tag)
+        responses = asyncio.run(self._run(requests, sampling or self.sampling()))
+        samples = []
         for k, (req, resp) in enumerate(zip(requests, responses)):
             i = mine[k // n]
-            extra = {key: v for key, v in rows[i].items() if key != "messages"}
+            extra = {key: v for key, v in rows[i].items() if key not in ("messages", "prompt_ids")}
             samples.append(Sample(prompt_ids=list(req.prompt_ids), response_ids=list(resp.token_ids),
                                   loss_mask=[1] * len(resp.token_ids), rollout_logprobs=list(resp.logprobs),
-                                  group_id=step * len(rows) + i, weight_version=min(resp.weight_versions, default=0),
+                                  group_id=first_group + i, weight_version=min(resp.weight_versions, default=0),
                                   finish_reason=resp.finish_reason, messages=rows[i]["messages"],
                                   info=dict(extra, engine=self.engine.name)))
         return samples
+
+    def rollout(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
+                n: int | None = None, tag: str = "") -> list:
+        """Each engine owner generates and scores its share of `rows`; every rank gets every sample, sorted by
+        group (or every rank raises the first owner's error)."""
+        from mgrpo.rewards.registry import score
+
+        payload = {"samples": []}
+        if self.engine is not None:
+            try:
+                samples = self.generate_share(rows, step, round_, sampling, n, tag)
+                r = self.cfg.reward
+                score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs)
+                payload = {"samples": [asdict(s) for s in samples]}
+            except Exception as exc:  # every rank must leave the collective below, then fail together
+                payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}
+        gathered = share_json(payload, self.owners)
+        errors = [p["error"] for p in gathered if "error" in p]
+        if errors:
+            raise RolloutError(errors[0])
+        return sorted((Sample(**d) for p in gathered for d in p["samples"]), key=lambda s: s.group_id)
+
+
+def prompt_ids(tokenizer, row: dict, apply_chat_template: bool = True) -> list:
+    """The row's tokenized prompt (tokenized once at load), or encoded now for rows built in code."""
+    ids = row.get("prompt_ids")
+    return list(ids) if ids is not None else encode_prompt(tokenizer, row["messages"], apply_chat_template)
 
 
 def share_json(payload, owners: list) -> list:

@@ -1,0 +1,141 @@
+"""Field checks of the run configuration, one function per section; each message names the field and the fix."""
+from __future__ import annotations
+
+import os
+
+
+def _suggest(name, options):
+    from mgrpo.config import suggest
+
+    return suggest(name, options)
+
+
+def check_algorithm_names(a) -> list:
+    from mgrpo.loss.kl import _ALIASES, _KL
+    from mgrpo.loss.presets import AGGREGATIONS, PRESETS
+    from mgrpo.loss.registry import _ADVANTAGE, _POLICY, advantages
+    from mgrpo.loss.rollout_correction import ALIASES as IS_ALIASES
+    from mgrpo.loss.rollout_correction import MODES as IS_MODES
+
+    advantages("grpo")  # loads the built-ins
+    e = []
+    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, list(_ADVANTAGE), False),
+              ("policy_loss", a.policy_loss, list(_POLICY), False),
+              ("aggregation", a.aggregation, list(AGGREGATIONS), False),
+              ("kl_estimator", a.kl_estimator, list(_KL) + list(_ALIASES), False),
+              ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
+    for name, value, known, nullable in checks:
+        if (value is None and not nullable) or (value is not None and value not in known):
+            e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
+    return e
+
+
+def check_vllm(r) -> list:
+    import importlib.util
+
+    v, e = r.vllm, []
+    if importlib.util.find_spec("vllm") is None:
+        e.append("rollout.engine=vllm but the vllm package is not installed; run bash scripts/setup.sh (CPU) or "
+                 "pip install -e .[gpu], or use rollout.engine=hf")
+    if v.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        e.append(f"rollout.vllm.dtype={v.dtype!r}; use auto, float32, bfloat16 or float16")
+    if v.update_ring is not None and (v.update_ring < 0 or v.update_ring == 1):
+        e.append(f"rollout.vllm.update_ring={v.update_ring}; use 0 (stage the whole update) or >= 2")
+    if not 0 < v.gpu_memory_utilization <= 1 or v.kv_cache_gb <= 0 or v.tensor_parallel_size < 1:
+        e.append("rollout.vllm.gpu_memory_utilization must be in (0, 1], kv_cache_gb > 0, tensor_parallel_size >= 1")
+    return e
+
+
+def check_logging(g) -> list:
+    import importlib.util
+
+    e = []
+    if g.completions_interval < 0:
+        e.append(f"logging.completions_interval={g.completions_interval} must be >= 0 (0 = never)")
+    if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        e.append("logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
+                 "or set logging.tensorboard=false")
+    if g.wandb is not None:
+        if g.wandb.mode not in (None, "online", "offline", "disabled"):
+            e.append(f"logging.wandb.mode={g.wandb.mode!r}; use online, offline, disabled or null")
+        if importlib.util.find_spec("wandb") is None:
+            e.append("logging.wandb is set but the wandb package is not installed; pip install wandb or remove "
+                     "logging.wandb")
+    return e
+
+
+def check_algorithm_numbers(a) -> list:
+    """Ranges of the resolved algorithm values; each message names the field and the fix."""
+    from mgrpo.loss.policy import resolve_epsilons
+
+    e = []
+    low, high = resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+        e.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip caps the loss at -A x c where "
+                 f"A < 0); use e.g. 3.0 (verl's value) or null to turn it off")
+    if a.policy_loss == "cispo":
+        if high is None or high <= 1:
+            e.append(f"algorithm.epsilon_high={high} is CISPO's absolute cap on the ratio and must be > 1; use e.g. "
+                     f"5.0 (or null for the default 5.0)")
+    else:
+        if low is not None and not 0 <= low < 1:
+            e.append(f"algorithm.epsilon_low={low} must be in [0, 1) (the ratio is clipped below at 1 - "
+                     f"epsilon_low); use e.g. 0.2")
+        if high is not None and high <= 0:
+            e.append(f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
+                     f"use e.g. 0.2 or 0.28")
+    if a.kl_coef < 0:
+        e.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
+                 f"reference); use 0 to turn KL off")
+    if a.rollout_is_threshold <= 0:
+        e.append(f"algorithm.rollout_is_threshold={a.rollout_is_threshold} must be > 0; use e.g. 2.0")
+    elif a.rollout_is_lower is not None and not 0 <= a.rollout_is_lower < a.rollout_is_threshold:
+        e.append(f"algorithm.rollout_is_lower={a.rollout_is_lower} must be >= 0 and below rollout_is_threshold="
+                 f"{a.rollout_is_threshold}; use e.g. 0.5 or null for no lower bound")
+    return e
+
+
+def _check_path(value: str, name: str) -> list:
+    if not os.path.exists(value):
+        return [f"{name}={value!r}: not found; check the path (relative paths are from {os.getcwd()})"]
+    return []
+
+
+def check_data(d) -> list:
+    if not d.path:
+        return ["data.path is empty; give a .jsonl, .json or .parquet file or a save_to_disk folder"]
+    e = _check_path(d.path, "data.path")
+    if d.max_prompt_length is not None and d.max_prompt_length < 1:
+        e.append(f"data.max_prompt_length={d.max_prompt_length} must be >= 1 tokens, or null to keep every prompt")
+    return e
+
+
+def check_eval(cfg) -> list:
+    v, e = cfg.eval, []
+    if v.interval < 0:
+        e.append(f"eval.interval={v.interval} must be >= 0 (0 = no validation)")
+    if v.interval == 0:
+        return e
+    e += ["eval.path is empty; give a held-out prompt file or set eval.interval=0"] if not v.path else \
+        _check_path(v.path, "eval.path")
+    if v.n < 1:
+        e.append(f"eval.n={v.n} must be >= 1")
+    if v.temperature < 0 or not 0 < v.top_p <= 1:
+        e.append(f"eval.temperature={v.temperature} must be >= 0 (0 = greedy) and eval.top_p={v.top_p} in (0, 1]")
+    if v.temperature == 0 and v.n > 1:
+        e.append(f"eval.n={v.n} greedy samples would all be the same; set eval.temperature > 0 or eval.n=1")
+    if v.max_tokens is not None and v.max_tokens < 1:
+        e.append(f"eval.max_tokens={v.max_tokens} must be >= 1 or null (rollout.max_tokens)")
+    bad = [k for k in v.k if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= v.n]
+    if bad:
+        e.append(f"eval.k={v.k}: each k must be an integer in [1, eval.n={v.n}]; raise eval.n or drop {bad}")
+    if v.pass_reward is not None and v.pass_reward not in cfg.reward.funcs:
+        e.append(f"eval.pass_reward={v.pass_reward!r} is not one of reward.funcs {cfg.reward.funcs}; name one of "
+                 f"them or use null (the weighted total)")
+    return e
+
+
+def check_sampling(a) -> list:
+    if a.max_resample_times < 0:
+        return [f"algorithm.max_resample_times={a.max_resample_times} must be >= 0"]
+    return []
