@@ -18,7 +18,8 @@ def direct_pass_at_k(flags: list, k: int) -> float:
     return sum(any(s) for s in subsets) / len(subsets)
 
 
-@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (4, 2, 3), (5, 4, 2), (8, 3, 8), (6, 6, 1)])
+@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (4, 2, 3), (5, 4, 2), (8, 3, 8), (6, 6, 1), (6, 2, 2),
+                                   (8, 3, 4), (10, 1, 5)])
 def test_estimator_equals_counting_subsets(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(direct_pass_at_k([True] * c + [False] * (n - c), k), abs=1e-12)
 
