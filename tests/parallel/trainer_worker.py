@@ -5,10 +5,13 @@ import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from mgrpo.parallel.omp import passive_wait_if_oversubscribed  # noqa: E402
+
+passive_wait_if_oversubscribed()  # as the launcher does, before torch
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
