@@ -61,3 +61,23 @@ def test_val_metrics_equal_a_direct_computation_from_the_generations(val_run):
     flags = [r["passed"] for r in rows]
     assert any(flags) and not all(flags), "the threshold must split the samples for the check to mean anything"
     assert history[1]["val/pass@1"] <= history[1]["val/pass@2"] <= history[1]["val/pass@4"]
+
+
+def test_greedy_validation_is_deterministic_and_pass_at_1_is_the_pass_rate(single_rank, tiny_dirs, tmp_path):
+    from mgrpo.trainer import GRPOTrainer
+
+    model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
+        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false", "--train.steps", "1",
+        "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.interval", "1",
+        "--eval.pass_threshold", "0.05"])  # the defaults: greedy, n = 1
+    cfg.model.tiny = None
+    trainer = GRPOTrainer(cfg)
+    first, second = trainer.validator.run(0, trainer.version), trainer.validator.run(1, trainer.version)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "val_generations.jsonl")]
+    trainer.close()
+    a, b = ([r["completion"] for r in rows if r["step"] == s] for s in (0, 1))
+    assert len(a) == 8 and a == b, "greedy decoding of the same weights gives the same completions"
+    assert first["val/pass@1"] == second["val/pass@1"] == sum(r["passed"] for r in rows[:8]) / 8
+    assert set(first) == {k for k in second}
