@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import os
 
-
-def _suggest(name, options):
-    from mgrpo.config import suggest
-
-    return suggest(name, options)
+from mgrpo.config import suggest  # config.validate imports this module when it runs, after config is loaded
 
 
 def check_algorithm_names(a) -> list:
@@ -26,7 +22,7 @@ def check_algorithm_names(a) -> list:
               ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):
-            e.append(f"algorithm.{name}={value!r} is unknown{_suggest(str(value), known)}")
+            e.append(f"algorithm.{name}={value!r} is unknown{suggest(str(value), known)}")
     return e
 
 

@@ -80,13 +80,12 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
                            dtype=torch.float64)
     valid = valid_mask(rewards)
-    trained = valid.clone()
+    trained, overlong = valid.clone(), 0
     for k, s in enumerate(samples):
         if alg.overlong_filter and s.finish_reason == "length":
-            trained[k] = False  # DAPO overlong filtering: a truncated answer is neither right nor wrong
+            trained[k], overlong = False, overlong + 1  # DAPO: a truncated answer is neither right nor wrong
         if not trained[k]:  # a failed reward or a filtered truncation trains nothing
             s.loss_mask = [0] * len(s.loss_mask)
-    overlong = sum(s.finish_reason == "length" for s in samples) if alg.overlong_filter else 0
     if overlong == len(samples) and warn:
         log.warning("all %d samples stopped at rollout.max_tokens=%d and algorithm.overlong_filter masks them: this "
                     "step trains nothing (zero gradients). Raise rollout.max_tokens or turn overlong_filter off",

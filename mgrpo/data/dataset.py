@@ -9,12 +9,10 @@ epoch), so its position is two integers that a checkpoint can save and restore.
 """
 from __future__ import annotations
 
-import logging
 import os
 import random
 from dataclasses import dataclass, field
 
-log = logging.getLogger("mgrpo.data")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 MAX_REPORTED = 20  # bad rows listed one per line; the rest are counted
 
