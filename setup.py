@@ -15,6 +15,7 @@ CPU = [
     "wandb>=0.19",  # logging.wandb (offline mode needs no network)
     "matplotlib>=3.8",  # report.png
     "datasets>=4",  # data.path: jsonl, json, parquet, save_to_disk folders
+    "math-verify>=0.8",  # answer checks (MathTipsScheduler, accuracy rewards)
 ]
 GPU = [
     "torch>=2.6",
@@ -31,6 +32,7 @@ GPU = [
     "wandb>=0.19",
     "matplotlib>=3.8",
     "datasets>=4",
+    "math-verify>=0.8",
 ]
 
 setup(

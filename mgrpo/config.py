@@ -85,6 +85,11 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off; the engine samples with exactly temperature/top_p/top_k, nothing from generation_config
     max_tokens: int = 32
     update_bucket_mb: int = 256  # weight-sync bucket size
+    scheduler: Optional[str] = None  # null: single turn, batched | tool_call | math_tips | gym | single_turn | a plugin's
+    scheduler_kwargs: dict = field(default_factory=dict)  # to the scheduler, e.g. {gym_env: guess_number}
+    max_turns: Optional[int] = None  # engine calls per trajectory; null: until the scheduler stops (ms-swift)
+    max_concurrent: int = 64  # trajectories in flight per engine (each has at most one request at the engine)
+    max_total_tokens: Optional[int] = None  # prompt + all turns; null: the engine's context (max_model_len)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
@@ -330,7 +335,7 @@ def validate(cfg: Config) -> list[str]:
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_data, check_eval,
-                                     check_logging, check_sampling, check_vllm)
+                                     check_logging, check_sampling, check_scheduler, check_vllm)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
@@ -338,6 +343,7 @@ def validate(cfg: Config) -> list[str]:
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
+    e += check_scheduler(r)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
     if r.request_timeout_s <= 0:

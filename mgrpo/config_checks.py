@@ -135,3 +135,22 @@ def check_sampling(a) -> list:
     if a.max_resample_times < 0:
         return [f"algorithm.max_resample_times={a.max_resample_times} must be >= 0"]
     return []
+
+
+def check_scheduler(r) -> list:
+    from mgrpo.schedulers.registry import multi_turns, scheduler_names
+
+    e = []
+    if r.scheduler is not None and r.scheduler not in scheduler_names():
+        e.append(f"rollout.scheduler={r.scheduler!r} is unknown{suggest(str(r.scheduler), list(multi_turns))}; "
+                 f"known: {', '.join(scheduler_names())} (or null for single-turn batches)")
+    if not isinstance(r.scheduler_kwargs, dict):
+        e.append(f"rollout.scheduler_kwargs must be a mapping, e.g. {{gym_env: guess_number}}; got "
+                 f"{type(r.scheduler_kwargs).__name__}")
+    if r.max_turns is not None and r.max_turns < 1:
+        e.append(f"rollout.max_turns={r.max_turns} must be >= 1 or null (until the scheduler stops)")
+    if r.max_concurrent < 1:
+        e.append(f"rollout.max_concurrent={r.max_concurrent} must be >= 1")
+    if r.max_total_tokens is not None and r.max_total_tokens < 2:
+        e.append(f"rollout.max_total_tokens={r.max_total_tokens} must be >= 2 or null (the engine's context)")
+    return e

@@ -106,6 +106,10 @@ def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, 
         from mgrpo.data.batching import missing_rollout_logprobs
 
         metrics["rollout_is/missing_logprob_samples"] = missing_rollout_logprobs(samples)
+    if cfg.rollout.scheduler:
+        from mgrpo.schedulers.driver import trajectory_metrics
+
+        metrics.update(trajectory_metrics(samples))
     for s in samples:  # requests per engine: how the step was spread
         key = f"rollout/requests/{s.info.get('engine', 'engine')}"
         metrics[key] = metrics.get(key, 0) + 1

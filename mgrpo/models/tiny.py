@@ -14,6 +14,18 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3's rule in a small template: an assistant message before the last user message is rendered without
+# its <think>...</think> block, so re-templating a conversation changes tokens the model saw (tests use it).
+THINK_DROPPING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_TEMPLATES = {"plain": CHAT_TEMPLATE, "think_dropping": THINK_DROPPING_TEMPLATE}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j k l m n o p q r s t u v w x y z",
@@ -42,7 +54,7 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
                  tie_word_embeddings: bool = False, rope_scaling: Optional[dict] = None, seed: int = 0,
                  max_position_embeddings: int = 4096, rope_theta: float = 10000.0, dtype: str = "float32",
                  attention_bias: Optional[bool] = None, mlp_bias: bool = False,
-                 config_overrides: Optional[dict] = None) -> str:
+                 config_overrides: Optional[dict] = None, chat_template: str = "plain") -> str:
     """Write config.json, model.safetensors and tokenizer files to out_dir (atomically) and return it.
 
     attention_bias (None: the family's default) and mlp_bias (Llama only) go to the HF config, so HF builds
@@ -102,7 +114,7 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
                 json.dump(raw, f, indent=2)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        additional_special_tokens=["<|im_start|>"])
-        fast.chat_template = CHAT_TEMPLATE
+        fast.chat_template = CHAT_TEMPLATES[chat_template]
         fast.save_pretrained(tmp)
         with open(os.path.join(tmp, "mgrpo_tiny.json"), "w") as f:
             json.dump({"family": family, "seed": seed}, f)

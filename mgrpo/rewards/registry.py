@@ -74,6 +74,12 @@ def response_length(samples, tokenizer, max_tokens: int = 32, **_):
     return [min(1.0, len(s.response_ids) / max_tokens) for s in samples]
 
 
+@register_reward("env_reward")
+def env_reward(samples, tokenizer, **_):
+    """The environment's summed step rewards (GymScheduler's `info["total_reward"]`); None where there is none."""
+    return [s.info.get("total_reward") for s in samples]
+
+
 def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> list:
     """fn's value per sample; _FAILED where it raised (a raising batch is retried one sample at a time)."""
     try:

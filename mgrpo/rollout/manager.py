@@ -89,6 +89,15 @@ class RolloutManager:
             results = [await one(p) for p in parts]
         return [resp for part in results for resp in part]
 
+    def scheduler(self):
+        """`rollout.scheduler`, made once per engine owner (it may hold state across trajectories)."""
+        if getattr(self, "_scheduler", None) is None:
+            from mgrpo.schedulers.driver import context_limit
+            from mgrpo.schedulers.registry import make_scheduler
+
+            self._scheduler = make_scheduler(self.cfg, self.tokenizer, context_limit(self.cfg))
+        return self._scheduler
+
     def rounds_per_step(self) -> int:
         a = self.cfg.algorithm
         return 1 + (a.max_resample_times if a.dynamic_sampling else 0)
@@ -102,6 +111,12 @@ class RolloutManager:
         first = round_ * len(rows)
         first_group = step * self.rounds_per_step() * len(rows) + first
         requests = self.requests_for(rows, step, mine, n, first=first, tag=tag)
+        if self.cfg.rollout.scheduler:
+            from mgrpo.schedulers.driver import scheduled_share
+
+            return scheduled_share(self.scheduler(), self.engine, self.cfg, requests, [rows[mine[k // n]] for k in
+                                   range(len(requests))], [first_group + mine[k // n] for k in range(len(requests))],
+                                   sampling or self.sampling())
         responses = asyncio.run(self._run(requests, sampling or self.sampling()))
         samples = []
         for k, (req, resp) in enumerate(zip(requests, responses)):
@@ -126,6 +141,10 @@ class RolloutManager:
                 samples = self.generate_share(rows, step, round_, sampling, n, tag)
                 r = self.cfg.reward
                 score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs)
+                if self.cfg.rollout.scheduler:
+                    from mgrpo.schedulers.driver import fail_aborted
+
+                    fail_aborted(samples)
                 payload = {"samples": [asdict(s) for s in samples]}
             except Exception as exc:  # every rank must leave the collective below, then fail together
                 payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}

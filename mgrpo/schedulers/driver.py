@@ -1,0 +1,196 @@
+"""Runs a scheduler's trajectories concurrently against one engine and turns their outputs into `Sample`s.
+
+`TurnClient` is the scheduler's `infer_engine`: each trajectory asks for one turn at a time, and the client
+coalesces the turns that are ready at the same moment into one engine call (batched forward passes on the HF
+engine, one RPC on vLLM). At most `rollout.max_concurrent` trajectories run at once, so at most that many
+requests are ever at the engine. A trajectory that raises is reported, counted and kept out of training (its
+sample carries `info["trajectory_error"]` and gets a NaN reward); the step goes on unless every one failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+import os
+from dataclasses import astuple
+
+from mgrpo.rollout.types import GenerationRequest, Sample
+from mgrpo.schedulers.tokens import turn_seed
+from mgrpo.schedulers.types import ChatMessage, ChatResponse, InferRequest, ResponseChoice, flatten
+
+log = logging.getLogger("mgrpo.schedulers")
+
+
+class AllTrajectoriesFailed(RuntimeError):
+    """Every trajectory of a rollout raised; the message has the first error."""
+
+
+class TurnClient:
+    """Per-trajectory turns in, batched engine calls out, each under `timeout` seconds."""
+
+    def __init__(self, engine, tokenizer, timeout: float):
+        self.engine, self.tokenizer, self.timeout = engine, tokenizer, timeout
+        self.pending, self.flushing, self.calls = [], False, 0
+
+    async def infer_async(self, infer_request: InferRequest, sampling) -> ChatResponse:
+        """One turn from `infer_request.prompt_ids`, seeded by (the trajectory's seed, its turn number)."""
+        infer_request.turns_generated += 1
+        k = infer_request.turns_generated
+        req = GenerationRequest(list(infer_request.prompt_ids), turn_seed(infer_request.seed, k),
+                                f"{infer_request.uuid}-t{k}")
+        resp = await self.generate(req, sampling)
+        text = self.tokenizer.decode(resp.token_ids, skip_special_tokens=True)
+        choice = ResponseChoice(ChatMessage("assistant", text), list(resp.token_ids), resp.finish_reason,
+                                list(resp.logprobs), min(resp.weight_versions, default=0))
+        return ChatResponse([choice])
+
+    async def generate(self, request: GenerationRequest, sampling):
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((request, sampling, future))
+        if not self.flushing:
+            self.flushing = True
+            asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            for _ in range(3):  # let every trajectory that is ready queue its turn first
+                await asyncio.sleep(0)
+            while self.pending:
+                batch, self.pending = self.pending, []
+                groups: dict = {}
+                for item in batch:  # one engine call per distinct sampling (turns capped by a token budget differ)
+                    groups.setdefault(astuple(item[1]), []).append(item)
+                for group in groups.values():
+                    if self.engine.capabilities.async_generate:
+                        asyncio.ensure_future(self._call(group))
+                    else:  # computes inline; the next flush takes what queued meanwhile
+                        await self._call(group)
+        finally:
+            self.flushing = False
+
+    async def _call(self, group: list) -> None:
+        self.calls += 1
+        try:
+            out = await asyncio.wait_for(self.engine.generate([r for r, _, _ in group], group[0][1]), self.timeout)
+        except asyncio.TimeoutError:
+            out = TimeoutError(f"engine {self.engine.name} did not answer {len(group)} turns within "
+                               f"rollout.request_timeout_s={self.timeout:g} s")
+        except Exception as exc:  # noqa: BLE001  (each waiting trajectory gets it)
+            out = exc
+        for k, (_, _, future) in enumerate(group):
+            if not future.done():
+                future.set_exception(out) if isinstance(out, BaseException) else future.set_result(out[k])
+
+
+async def run_trajectories(scheduler, requests: list, sampling, max_concurrent: int) -> list:
+    """RolloutOutput or the exception, per request, in order; at most `max_concurrent` running at once."""
+    gate = asyncio.Semaphore(max_concurrent)
+
+    async def one(req):
+        async with gate:
+            error = None
+            try:
+                return await scheduler.run(req, sampling)
+            except Exception as exc:  # noqa: BLE001  (counted and reported by the caller)
+                error = exc
+                return exc
+            finally:
+                try:
+                    await scheduler.on_trajectory_end([req], error)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("on_trajectory_end of %s raised %s: %s", req.uuid, type(exc).__name__, exc)
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def to_sample(out, request: InferRequest, group_id: int, info: dict) -> Sample:
+    """A finished trajectory as a Sample: flat tokens, one logprob per token (0.0 at mask-0 positions, which
+    no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule)."""
+    if isinstance(out, BaseException):
+        return Sample(prompt_ids=list(request.prompt_ids), group_id=group_id, finish_reason="abort",
+                      messages=request.messages, info=dict(info, trajectory_error=f"{type(out).__name__}: {out}"))
+    ids = flatten(out.response_token_ids)
+    mask = flatten(out.response_loss_mask) if out.response_loss_mask else [1] * len(ids)
+    lps = flatten(out.rollout_logprobs)
+    dropped = len(lps) != sum(mask)
+    if dropped:
+        logprobs = None
+    else:
+        it = iter(lps)
+        logprobs = [float(next(it)) if m else 0.0 for m in mask]
+    infos = dict(out.rollout_infos or {})
+    extra = dict(info, **infos, env_tokens=len(mask) - sum(mask))
+    if dropped:
+        extra["logprobs_dropped"] = True
+    prompt = list(out.prompt_ids if out.prompt_ids is not None else request.prompt_ids)
+    return Sample(prompt_ids=prompt, response_ids=list(ids), loss_mask=list(mask), rollout_logprobs=logprobs,
+                  group_id=group_id, weight_version=out.weight_version, finish_reason=out.finish_reason,
+                  messages=out.messages, info=extra)
+
+
+def report(samples: list, engine_name: str) -> None:
+    """One warning per rollout for failed trajectories and dropped logprobs; all failed raises."""
+    failed = [s for s in samples if "trajectory_error" in s.info]
+    if failed and len(failed) == len(samples):
+        raise AllTrajectoriesFailed(f"all {len(samples)} trajectories on engine {engine_name} failed; first: "
+                                    f"{failed[0].info['trajectory_error']}")
+    if failed:
+        log.warning("%d of %d trajectories on engine %s raised and are left out of training; first: %s",
+                    len(failed), len(samples), engine_name, failed[0].info["trajectory_error"])
+    dropped = sum(1 for s in samples if s.info.get("logprobs_dropped"))
+    if dropped:
+        log.warning("%d of %d trajectories returned rollout logprobs that do not match their mask-1 tokens; their "
+                    "rollout logprobs are dropped (ms-swift's rule): return rollout_logprobs from step() when it "
+                    "rewrites response_token_ids", dropped, len(samples))
+
+
+def fail_aborted(samples: list) -> None:
+    """After scoring: a trajectory that raised trains nothing (NaN reward: no advantage, no loss)."""
+    for s in samples:
+        if "trajectory_error" in s.info:
+            s.reward = math.nan
+            s.info["reward_failed"] = ["trajectory"]
+
+
+def trajectory_metrics(samples: list) -> dict:
+    """rollout/num_turns/{mean,max}, rollout/env_tokens/mean (loss-mask-0 tokens), and the counters
+    rollout/trajectories_failed and rollout/logprobs_dropped."""
+    turns = [int(s.info.get("num_turns", 0)) for s in samples] or [0]
+    return {"rollout/num_turns/mean": sum(turns) / len(turns), "rollout/num_turns/max": max(turns),
+            "rollout/env_tokens/mean": sum(s.info.get("env_tokens", 0) for s in samples) / max(len(samples), 1),
+            "rollout/trajectories_failed": sum("trajectory_error" in s.info for s in samples),
+            "rollout/logprobs_dropped": sum(bool(s.info.get("logprobs_dropped")) for s in samples)}
+
+
+def context_limit(cfg) -> int | None:
+    """`rollout.max_total_tokens`, or the longest context the engine serves (vLLM's max_model_len, else the
+    model's max_position_embeddings)."""
+    r = cfg.rollout
+    if r.max_total_tokens:
+        return r.max_total_tokens
+    if r.engine == "vllm" and r.vllm.max_model_len:
+        return r.vllm.max_model_len
+    try:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f).get("max_position_embeddings")
+    except OSError:
+        return None
+
+
+def scheduled_share(scheduler, engine, cfg, requests: list, rows: list, group_ids: list, sampling) -> list:
+    """This engine's trajectories (one per GenerationRequest, its row beside it) as Samples, in order."""
+    client = TurnClient(engine, scheduler.tokenizer, cfg.rollout.request_timeout_s)
+    scheduler.infer_engine = client
+    infer, infos = [], []
+    for req, row in zip(requests, rows):
+        columns = {k: v for k, v in row.items() if k not in ("messages", "prompt_ids")}
+        infer.append(InferRequest(messages=copy.deepcopy(row["messages"]), data_dict=copy.deepcopy(columns),
+                                  uuid=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed))
+        infos.append(dict(columns, engine=engine.name))
+    outs = asyncio.run(run_trajectories(scheduler, infer, sampling, cfg.rollout.max_concurrent))
+    samples = [to_sample(o, r, g, i) for o, r, g, i in zip(outs, infer, group_ids, infos)]
+    report(samples, engine.name)
+    return samples

@@ -1,0 +1,49 @@
+"""Schedulers and environments by name: `rollout.scheduler: tool_call` and a row's `env_config.name` (or the
+scheduler's `gym_env`). ms-swift's names work too (`multi_turns` / `envs` are the same dicts)."""
+from __future__ import annotations
+
+from typing import Callable
+
+multi_turns: dict = {}  # name -> scheduler class (ms-swift's registry name)
+envs: dict = {}  # name -> Env class
+
+
+def register_scheduler(*names: str) -> Callable:
+    def deco(cls):
+        for name in names:
+            multi_turns[name] = cls
+        return cls
+    return deco
+
+
+def register_env(*names: str) -> Callable:
+    def deco(cls):
+        for name in names:
+            envs[name] = cls
+        return cls
+    return deco
+
+
+def _builtins() -> None:
+    import mgrpo.schedulers.builtin  # noqa: F401  (registers single_turn, tool_call, math_tips, gym)
+
+
+def scheduler_names() -> list:
+    _builtins()
+    return sorted(multi_turns)
+
+
+def env_names() -> list:
+    _builtins()
+    return sorted(envs)
+
+
+def make_scheduler(cfg, tokenizer, max_total_tokens: int | None):
+    """The configured scheduler; `rollout.scheduler_kwargs` go to its constructor (e.g. gym_env, tips_prompt)."""
+    _builtins()
+    r = cfg.rollout
+    if r.scheduler not in multi_turns:
+        raise KeyError(f"rollout.scheduler={r.scheduler!r} is not registered; known: {', '.join(scheduler_names())}")
+    kwargs = dict(r.scheduler_kwargs or {})
+    return multi_turns[r.scheduler](None, r.max_turns, tokenizer=tokenizer, max_total_tokens=max_total_tokens,
+                                    **kwargs)
