@@ -52,6 +52,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
+        self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
         self._params = dict(self.model.named_parameters())  # a tied lm_head is not listed separately
         self._expected = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in self._params.items()}
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -60,6 +61,7 @@ class HFEngine:
     @torch.no_grad()
     def _generate_batch(self, requests: list, sp: SamplingParams) -> list:
         b, longest = len(requests), max(len(r.prompt_ids) for r in requests)
+        self.requests_peak, self.requests_served = max(self.requests_peak, b), self.requests_served + b
         ids = torch.full((b, longest), self.pad, dtype=torch.long)
         mask = torch.zeros(b, longest, dtype=torch.long)
         for i, r in enumerate(requests):  # left padding: every row's next token lands in the last column
@@ -138,6 +140,13 @@ class HFEngine:
 
     def health(self) -> dict:
         return {"ok": True, "engine": self.name, "version": self.version, "time": time.time()}
+
+    def stats(self, reset: bool = False) -> dict:
+        """Requests in flight (this engine computes inline: 0 between calls), the peak batch, served."""
+        out = {"requests_inflight": 0, "requests_peak": self.requests_peak, "requests_served": self.requests_served}
+        if reset:
+            self.requests_peak = 0
+        return out
 
 
 @register_engine("hf")

@@ -3,7 +3,8 @@ started it (`mgrpo.rollout.vllm_engine`). Started as `python -m mgrpo.rollout.vl
 stdin; it dies with its parent (a watchdog kills its whole process group, vLLM's engine core included).
 
 Requests (length-prefixed JSON, each with the engine's token): `generate`, `update` (pause, load through the
-worker extension, reset the prefix cache, stamp the version, resume), `health`, `shutdown`.
+worker extension, reset the prefix cache, stamp the version, resume), `health`, `stats` (requests in flight,
+counted here), `shutdown`.
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ class EngineServer:
         self.version, self.poisoned = 0, None
         self.gate = asyncio.Condition()  # generation pauses here: updates wait for in-flight calls, new calls wait
         self.inflight, self.updating = 0, False  # for the update
+        self.requests_inflight, self.requests_peak, self.requests_served = 0, 0, 0  # counted here, at the engine
         self.stop = asyncio.Event()
 
     async def generate(self, requests: list, sampling: dict, eos: int | None) -> list:
@@ -121,8 +123,14 @@ class EngineServer:
                                 output_kind=RequestOutputKind.FINAL_ONLY)
             rid = f"{req.get('request_id') or 'r'}-{secrets.token_hex(4)}"
             final = None
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid):
-                final = out
+            self.requests_inflight += 1
+            self.requests_peak = max(self.requests_peak, self.requests_inflight)
+            try:
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid):
+                    final = out
+            finally:
+                self.requests_inflight -= 1
+                self.requests_served += 1
             c = final.outputs[0]
             ids = list(c.token_ids)
             lps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
@@ -166,6 +174,14 @@ class EngineServer:
                     streamed=results[0]["streamed"], staged_at=results[0]["staged_at"], pause_s=t1 - t0, rpc_s=t2 - t1,
                     reset_s=time.perf_counter() - t2, total_s=time.perf_counter() - t0)
 
+    def stats(self, reset: bool = False) -> dict:
+        """Requests inside vLLM now, the most at once (since start or the last reset), and served in total."""
+        out = {"requests_inflight": self.requests_inflight, "requests_peak": self.requests_peak,
+               "requests_served": self.requests_served}
+        if reset:
+            self.requests_peak = self.requests_inflight
+        return out
+
     async def handle(self, reader, writer) -> None:
         try:
             msg = await local_rpc.async_recv(reader)
@@ -181,6 +197,8 @@ class EngineServer:
                 elif op == "health":
                     result = {"ok": self.poisoned is None, "version": self.version, "pid": os.getpid(),
                               "dtype": self.dtype, "poisoned": self.poisoned}
+                elif op == "stats":
+                    result = self.stats(bool(msg.get("reset")))
                 elif op == "shutdown":
                     self.stop.set()
                     result = {"stopping": True}

@@ -127,6 +127,10 @@ class VLLMEngine:
     def health(self) -> dict:
         return dict(self.call("health", timeout=30), engine=self.name)
 
+    def stats(self, reset: bool = False) -> dict:
+        """Requests in flight inside the engine process: now, the peak (since start or the last reset), served."""
+        return self.call("stats", timeout=30, reset=reset)
+
     def close(self) -> None:
         """Stop the engine process and its engine core; idempotent. Polite first, then the whole group."""
         proc = getattr(self, "proc", None)

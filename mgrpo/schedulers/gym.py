@@ -50,7 +50,7 @@ class GuessNumberEnv(Env):
         return text, {"target": self.target}, self.env_config.get("system_message", "")
 
     async def step(self, action: list) -> tuple:
-        found = re.search(r"-?\d+", action[-1]["content"])
+        found = re.search(r"-?[0-9]+", action[-1]["content"])  # ASCII only: \d also matches other scripts
         self.guesses += 1
         if found is None:
             return "Reply with a number.", 0.0, False, {"guesses": self.guesses}
