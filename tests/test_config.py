@@ -236,3 +236,17 @@ def test_every_example_config_loads_and_validates():
     for path in paths:
         cfg = load_config(path, [], check_files=False)
         assert cfg.train.steps >= 1, path
+
+
+def test_scheduler_fields_all_reported_at_once(tmp_path, data_file):
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    with pytest.raises(ConfigError) as e:
+        load_config(argv=["--config", path, "--rollout.scheduler", "gyms", "--rollout.max_turns", "0",
+                          "--rollout.max_concurrent", "0", "--rollout.max_total_tokens", "1"])
+    assert len(e.value.errors) == 4
+    assert "rollout.scheduler='gyms' is unknown; did you mean 'gym'?" in e.value.errors[0]
+    for field, line in zip(("max_turns=0", "max_concurrent=0", "max_total_tokens=1"), e.value.errors[1:]):
+        assert f"rollout.{field}" in line
+    for name in ("gym", "gym_scheduler", "tool_call", "tool_call_scheduler", "math_tips", "math_tip_trick",
+                 "single_turn"):
+        assert load_config(argv=["--config", path, "--rollout.scheduler", name]).rollout.scheduler == name

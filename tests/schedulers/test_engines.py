@@ -149,3 +149,16 @@ def test_256_concurrent_gym_trajectories_on_vllm(engines, tok):
           f"driver_peak_rss_mb={trainer_rss:.0f} engine_peak_rss_mb={engine_hwm:.0f}")
     assert len(samples) == 256 and not any("trajectory_error" in s.info for s in samples)
     assert 1 < stats["requests_peak"] <= bound
+
+
+@pytest.mark.parametrize("name", ["hf", "vllm"])
+def test_single_turn_scheduler_samples_what_the_batched_path_does(name, engines, tok):
+    """Turn 1 keeps the request's own seed: a `single_turn` scheduler gives the batched path's samples."""
+    from mgrpo.rollout.types import GenerationRequest
+
+    rows = [{"messages": [{"role": "user", "content": f"say {i}"}]} for i in range(3)]
+    samples = rollout(engines[name], tok, multi_turns["single_turn"](None, None, tokenizer=tok), rows)
+    direct = asyncio.run(engines[name].generate(
+        [GenerationRequest(encode_prompt(tok, r["messages"]), 1000 + i, f"d{i}") for i, r in enumerate(rows)], SP))
+    assert [s.response_ids for s in samples] == [d.token_ids for d in direct]
+    assert all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
