@@ -76,7 +76,7 @@ class RolloutConfig:
     engine: str = "hf"  # a registered backend: hf (in-process transformers) | vllm (colocated child process)
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
-    max_inflight: int = 256  # requests per engine call; several calls in flight only for async engines
+    max_inflight: int = 256  # single turn: requests per engine call; several in flight only for async engines
     request_timeout_s: float = 600.0  # an engine call that takes longer fails the step, naming the engine
     n: int = 4  # samples per prompt (group size)
     prompts_per_step: int = 8

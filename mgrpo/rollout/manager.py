@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mgrpo.data.dataset import encode_prompt
 from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams
+from mgrpo.schedulers.driver import fail_aborted
 
 
 class RolloutError(RuntimeError):
@@ -111,12 +112,12 @@ class RolloutManager:
         first = round_ * len(rows)
         first_group = step * self.rounds_per_step() * len(rows) + first
         requests = self.requests_for(rows, step, mine, n, first=first, tag=tag)
-        if self.cfg.rollout.scheduler:
+        if self.cfg.rollout.scheduler:  # one trajectory per request, several engine calls each
             from mgrpo.schedulers.driver import scheduled_share
 
-            return scheduled_share(self.scheduler(), self.engine, self.cfg, requests, [rows[mine[k // n]] for k in
-                                   range(len(requests))], [first_group + mine[k // n] for k in range(len(requests))],
-                                   sampling or self.sampling())
+            prompt_of = [mine[k // n] for k in range(len(requests))]
+            return scheduled_share(self.scheduler(), self.engine, self.cfg, requests, [rows[i] for i in prompt_of],
+                                   [first_group + i for i in prompt_of], sampling or self.sampling())
         responses = asyncio.run(self._run(requests, sampling or self.sampling()))
         samples = []
         for k, (req, resp) in enumerate(zip(requests, responses)):
@@ -141,10 +142,7 @@ class RolloutManager:
                 samples = self.generate_share(rows, step, round_, sampling, n, tag)
                 r = self.cfg.reward
                 score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs)
-                if self.cfg.rollout.scheduler:
-                    from mgrpo.schedulers.driver import fail_aborted
-
-                    fail_aborted(samples)
+                fail_aborted(samples)  # trajectories that raised train nothing
                 payload = {"samples": [asdict(s) for s in samples]}
             except Exception as exc:  # every rank must leave the collective below, then fail together
                 payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}

@@ -130,7 +130,7 @@ class MultiTurnScheduler(RolloutScheduler):
         while True:
             budget = self.max_total_tokens - len(req.prompt_ids) if self.max_total_tokens else None
             if budget is not None and budget <= 0:
-                finish = "length"
+                finish, turn = "length", turn - 1  # this turn never ran
                 break
             sp = sampling if budget is None or budget >= sampling.max_tokens else replace(sampling, max_tokens=budget)
             response = await self.infer_engine.infer_async(req, sp)

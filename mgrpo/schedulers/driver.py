@@ -113,11 +113,13 @@ async def run_trajectories(scheduler, requests: list, sampling, max_concurrent: 
     return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def to_sample(out, request: InferRequest, group_id: int, info: dict) -> Sample:
+def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids: list | None = None) -> Sample:
     """A finished trajectory as a Sample: flat tokens, one logprob per token (0.0 at mask-0 positions, which
-    no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule)."""
+    no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule).
+    A trajectory that raised becomes an empty response on its original prompt (`prompt_ids`)."""
     if isinstance(out, BaseException):
-        return Sample(prompt_ids=list(request.prompt_ids), group_id=group_id, finish_reason="abort",
+        prompt = prompt_ids if prompt_ids is not None else request.prompt_ids
+        return Sample(prompt_ids=list(prompt), group_id=group_id, finish_reason="abort",
                       messages=request.messages, info=dict(info, trajectory_error=f"{type(out).__name__}: {out}"))
     ids = flatten(out.response_token_ids)
     mask = flatten(out.response_loss_mask) if out.response_loss_mask else [1] * len(ids)
@@ -198,6 +200,6 @@ def scheduled_share(scheduler, engine, cfg, requests: list, rows: list, group_id
                                   uuid=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed))
         infos.append(dict(columns, engine=engine.name))
     outs = asyncio.run(run_trajectories(scheduler, infer, sampling, cfg.rollout.max_concurrent))
-    samples = [to_sample(o, r, g, i) for o, r, g, i in zip(outs, infer, group_ids, infos)]
+    samples = [to_sample(o, r, g, i, q.prompt_ids) for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)]
     report(samples, engine.name)
     return samples

@@ -143,6 +143,10 @@ def test_max_total_tokens_ends_with_length(tok):
     assert s.finish_reason == "length" and len(s.prompt_ids) + len(s.response_ids) <= 120
     assert all(len(p) < 120 for _, _, p in engine.requests)
     check_alignment(s)
+    full = multi_turns["gym"](None, None, tokenizer=tok, gym_env="guess_number", max_total_tokens=5)
+    (s,), _, engine = rollout(tok, full, guesses, rows)  # the prompt alone fills the budget: no call at all
+    assert s.finish_reason == "length" and s.response_ids == [] and s.info["num_turns"] == 0
+    assert engine.requests == []
 
 
 class DoneAtTwo(MultiTurnScheduler):

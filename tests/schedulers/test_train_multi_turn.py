@@ -38,3 +38,30 @@ def test_tool_call_scheduler_trains(tmp_path):
     rows, _ = launch("tiny_cpu_tools.yaml", tmp_path, "--train.steps", "2", "--rollout.max_turns", "2")
     assert [r["step"] for r in rows] == [0, 1] and rows[-1]["weight_version"] == 2
     assert all(1 <= r["rollout/num_turns/mean"] <= 2 and r["rollout/trajectories_failed"] == 0 for r in rows)
+
+
+def test_a_raising_trajectory_is_left_out_and_the_step_goes_on(single_rank, tmp_path, tiny_dirs):
+    from mgrpo.config import load_config
+    from mgrpo.schedulers import GymScheduler, register_scheduler
+    from mgrpo.trainer import GRPOTrainer
+
+    @register_scheduler("flaky_gym_for_test")
+    class FlakyGym(GymScheduler):
+        def step(self, infer_request, response_choice, current_turn):
+            if infer_request.uuid.endswith("-1"):  # sample 1 of every group
+                raise ConnectionError("environment server went away")
+            return super().step(infer_request, response_choice, current_turn)
+
+    model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu_gym.yaml"), [
+        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_guess.jsonl"),
+        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
+        "--rollout.scheduler", "flaky_gym_for_test", "--rollout.prompts_per_step", "4", "--train.steps", "1"])
+    cfg.model.tiny = None
+    trainer = GRPOTrainer(cfg)
+    try:
+        metrics = trainer.step(0)
+    finally:
+        trainer.close()
+    assert metrics["rollout/trajectories_failed"] == 4 and metrics["reward/failed"] == 4
+    assert metrics["actor/grad_norm"] > 0 and metrics["rollout/num_turns/mean"] > 1
