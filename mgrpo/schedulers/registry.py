@@ -8,20 +8,18 @@ multi_turns: dict = {}  # name -> scheduler class (ms-swift's registry name)
 envs: dict = {}  # name -> Env class
 
 
-def register_scheduler(*names: str) -> Callable:
-    def deco(cls):
-        for name in names:
-            multi_turns[name] = cls
-        return cls
-    return deco
+def _registrar(table: dict) -> Callable:
+    def register(*names: str) -> Callable:
+        def deco(cls):
+            for name in names:
+                table[name] = cls
+            return cls
+        return deco
+    return register
 
 
-def register_env(*names: str) -> Callable:
-    def deco(cls):
-        for name in names:
-            envs[name] = cls
-        return cls
-    return deco
+register_scheduler = _registrar(multi_turns)  # @register_scheduler("name", "alias") on a scheduler class
+register_env = _registrar(envs)  # @register_env("name") on an Env class
 
 
 def _builtins() -> None:
