@@ -120,6 +120,8 @@ class RewardConfig:
     funcs: list = field(default_factory=lambda: ["token_fraction"])
     weights: Optional[list] = None
     kwargs: dict = field(default_factory=dict)  # passed to every reward function by name
+    timeout_s: float = 10.0  # per isolated reward call (math-verify) and per async reward function
+    workers: int = 2  # processes for isolated rewards (a call past timeout_s is killed; the sample fails)
 
 
 @dataclass
@@ -200,6 +202,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    external_plugins: list = field(default_factory=list)  # .py files that register rewards/schedulers/envs/losses
 
 
 SHORT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--cp": "parallel.cp", "--vpp": "parallel.vpp",
@@ -296,6 +299,9 @@ def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
         if key == "--config":
             config_path = inline
             continue
+        if key in ("--external-plugins", "--external_plugins"):  # ms-swift's flag: one file, or a comma list
+            nested.setdefault("external_plugins", []).extend(p for p in inline.split(",") if p)
+            continue
         dotted = SHORT_FLAGS.get(key, key[2:])
         if "." not in dotted:
             errors.append(f"unknown flag {key}; use --tp/--pp/--cp/--vpp/--ep/--sp or a dotted --section.key")
@@ -335,7 +341,8 @@ def validate(cfg: Config) -> list[str]:
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_data, check_eval,
-                                     check_logging, check_sampling, check_scheduler, check_vllm)
+                                     check_logging, check_rewards, check_sampling, check_scheduler,
+                                     check_vllm)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
@@ -343,7 +350,7 @@ def validate(cfg: Config) -> list[str]:
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
-    e += check_scheduler(r)
+    e += check_scheduler(r) + check_rewards(cfg.reward)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
     if r.request_timeout_s <= 0:
@@ -490,6 +497,15 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
                 raise ConfigError([f"{path}: invalid YAML ({exc})"]) from None
     errors: list[str] = []
     cfg = _build(Config, _merge(data, overrides), "", errors)
+    if not errors and cfg.external_plugins:  # before validation: plugins add the names it checks
+        from mgrpo.plugins import PluginError, load_plugins
+
+        if isinstance(cfg.external_plugins, str):
+            cfg.external_plugins = [cfg.external_plugins]
+        try:
+            load_plugins(cfg.external_plugins)
+        except PluginError as exc:
+            errors.append(str(exc))
     if not errors:
         _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
         found = validate(cfg)

@@ -154,3 +154,22 @@ def check_scheduler(r) -> list:
     if r.max_total_tokens is not None and r.max_total_tokens < 2:
         e.append(f"rollout.max_total_tokens={r.max_total_tokens} must be >= 2 or null (the engine's context)")
     return e
+
+
+def check_rewards(rw) -> list:
+    from mgrpo.rewards.registry import reward_names
+
+    e = []
+    known = reward_names()
+    for name in rw.funcs or []:
+        if name not in known:
+            e.append(f"reward.funcs: {name!r} is not a registered reward{suggest(str(name), known)}; known: "
+                     f"{', '.join(known)} (plugins: --external-plugins path/to/plugin.py)")
+    if not rw.funcs:
+        e.append("reward.funcs is empty; name at least one reward, e.g. [accuracy]")
+    if rw.weights is not None and len(rw.weights) != len(rw.funcs or []):
+        e.append(f"reward.weights has {len(rw.weights)} entries for {len(rw.funcs or [])} reward.funcs; give one "
+                 f"weight per function or null (all 1)")
+    if rw.timeout_s <= 0 or rw.workers < 1:
+        e.append(f"reward.timeout_s={rw.timeout_s} must be > 0 and reward.workers={rw.workers} >= 1")
+    return e

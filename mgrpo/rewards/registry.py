@@ -1,23 +1,35 @@
-"""Outcome rewards: a registry of plain functions `fn(samples, tokenizer, **kwargs) -> list[float | None]`.
+"""Outcome rewards by name. Two kinds of function, one registry:
 
-`score()` runs the configured functions, stores each score in `sample.info['rewards']` and sets the weighted
-sum per sample. What a function's value means (ms-swift's semantics, with failures made explicit):
+- batched: `fn(samples, tokenizer, **kwargs) -> list[float | None]` (`@register_reward("name")`), sync or async
+  (async ones run concurrently, each under `reward.timeout_s`);
+- per sample: `fn(completion: str, **kwargs) -> float | None` (`@register_reward("name", per_sample=True)`); with
+  `isolated=True` each call runs in a worker process under `reward.timeout_s` (`mgrpo.rewards.pool`): a call that
+  hangs is killed, its worker replaced, and only that sample fails. math-verify rewards are isolated.
+
+Arguments by name: `reward.kwargs` go to every function; a parameter named like a dataset column gets that column
+(a list for batched functions, the sample's value per sample); per-sample functions may also take `length` (the
+sample's model tokens), `max_tokens` (rollout.max_tokens) and `info` (the sample's info dict).
+
+`score()` stores each score in `sample.info['rewards']` and sets the weighted sum per sample. What a value means
+(ms-swift's semantics, with failures made explicit):
 
 - a number: counted with its weight;
 - `None`: "not applicable to this sample", skipped in the weighted sum (a nansum); a sample where every
   function says None gets 0;
-- NaN (or inf), or the function raising: the sample FAILED. Its reward is NaN, so the advantage estimators leave it out
-  and the trainer gives it no loss; a warning names the function and `sample.info['reward_failed']` lists it.
-  When a batched call raises, each sample is retried alone so one bad sample does not fail the others;
+- NaN (or inf), or the function raising or timing out: the sample FAILED. Its reward is NaN, so the advantage
+  estimators leave it out and the trainer gives it no loss; a warning names the function and
+  `sample.info['reward_failed']` lists it. When a batched call raises, each sample is retried alone so one bad
+  sample does not fail the others;
 - the wrong number of values (or a value that is not a number): a `RewardError` naming the function.
-
-Plugins register more with `@register_reward("name")`.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger("mgrpo.rewards")
@@ -27,20 +39,50 @@ _FAILED = object()
 class RewardError(ValueError):
     """A reward function broke its contract (wrong count or type of values); the message names it."""
 
-_REWARDS: dict[str, Callable] = {}
+@dataclass
+class RewardSpec:
+    fn: Callable
+    per_sample: bool = False  # fn(completion, **kwargs) per sample, instead of fn(samples, tokenizer, **kwargs)
+    isolated: bool = False  # per-sample calls run in worker processes under a timeout
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
 
 
-def register_reward(name: str):
+_REWARDS: dict[str, RewardSpec] = {}
+
+
+def register_reward(name: str, per_sample: bool = False, isolated: bool = False):
+    """`@register_reward("name")` on fn(samples, tokenizer, **kwargs); `per_sample=True` on fn(completion,
+    **kwargs); `isolated=True` (per sample only) runs it in the reward worker processes, under a timeout."""
+    if isolated and not per_sample:
+        raise ValueError(f"reward {name!r}: isolated=True needs per_sample=True (one call per sample)")
+
     def deco(fn):
-        _REWARDS[name] = fn
+        _REWARDS[name] = RewardSpec(fn, per_sample, isolated)
         return fn
     return deco
 
 
-def get_reward(name: str) -> Callable:
+def reward_names() -> list:
+    _builtins()
+    return sorted(_REWARDS)
+
+
+def _builtins() -> None:
+    import mgrpo.rewards.outcome  # noqa: F401  (accuracy, format, react_format, cosine, repetition, soft_overlong)
+
+
+def get_spec(name: str) -> RewardSpec:
+    _builtins()
     if name not in _REWARDS:
-        raise KeyError(f"reward {name!r} is not registered; known: {', '.join(sorted(_REWARDS))}")
+        raise KeyError(f"reward {name!r} is not registered; known: {', '.join(reward_names())}")
     return _REWARDS[name]
+
+
+def get_reward(name: str) -> Callable:
+    return get_spec(name).fn
 
 
 def _target_ids(tokenizer, target_chars: str) -> set:
@@ -80,10 +122,42 @@ def env_reward(samples, tokenizer, **_):
     return [s.info.get("total_reward") for s in samples]
 
 
-def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> list:
-    """fn's value per sample; _FAILED where it raised (a raising batch is retried one sample at a time)."""
+def completion_text(sample, tokenizer) -> str:
+    """The model's answer as text: the last assistant message of a multi-turn conversation, else the decoded
+    response (special tokens skipped)."""
+    if sample.messages and sample.messages[-1].get("role") == "assistant":
+        return sample.messages[-1]["content"]
+    return tokenizer.decode(sample.response_ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
+def _accepts(fn) -> set:
+    """Parameter names fn takes by keyword ('**' when it takes **kwargs)."""
     try:
-        return _checked(name, fn(samples, tokenizer, **kwargs), len(samples))
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {"**"}
+    return {"**" if p.kind is p.VAR_KEYWORD else p.name for p in params}
+
+
+def _column_kwargs(fn, samples: list, kwargs: dict, skip=("samples", "tokenizer", "completion")) -> dict:
+    """Dataset columns (from Sample.info) for the parameters fn names explicitly, as lists."""
+    names = _accepts(fn) - set(kwargs) - set(skip) - {"**"}
+    return {n: [s.info.get(n) for s in samples] for n in names if any(n in s.info for s in samples)}
+
+
+def _sample_kwargs(fn, sample, kwargs: dict, max_tokens: int | None) -> dict:
+    accepts = _accepts(fn)
+    extra = {"length": sum(sample.loss_mask), "max_tokens": max_tokens, "info": sample.info}
+    out = {k: v for k, v in kwargs.items() if k in accepts or "**" in accepts}
+    out.update({k: v for k, v in extra.items() if k in accepts and k not in kwargs})
+    out.update({n: sample.info[n] for n in accepts - set(out) - {"**", "completion"} if n in sample.info})
+    return out
+
+
+def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> list:
+    """A batched sync fn's value per sample; _FAILED where it raised (a raising batch is retried one by one)."""
+    try:
+        return _checked(name, fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)), len(samples))
     except RewardError:
         raise
     except Exception as exc:
@@ -92,12 +166,51 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> 
     out = []
     for s in samples:
         try:
-            out += _checked(name, fn([s], tokenizer, **kwargs), 1)
+            out += _checked(name, fn([s], tokenizer, **kwargs, **_column_kwargs(fn, [s], kwargs)), 1)
         except RewardError:
             raise
         except Exception:
             out.append(_FAILED)
     return out
+
+
+def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts) -> list:
+    items = [((completion_text(s, tokenizer),), _sample_kwargs(spec.fn, s, kwargs, opts.max_tokens)) for s in samples]
+    if spec.isolated:
+        from mgrpo.rewards.pool import FAILED, shared_pool
+
+        pool = shared_pool(opts.workers, opts.plugins)
+        raw = pool.map(spec.fn, [(a, {k: v for k, v in kw.items() if k != "info"}) for a, kw in items],
+                       opts.timeout_s)
+        raw = [_FAILED if v is FAILED else v for v in raw]
+    else:
+        raw = []
+        for args, kw in items:
+            try:
+                raw.append(spec.fn(*args, **kw))
+            except Exception:  # noqa: BLE001  (this sample failed)
+                raw.append(_FAILED)
+    ok = [v for v in raw if v is not _FAILED]
+    _checked(name, ok, len(ok))  # types
+    return [v if v is _FAILED or v is None else float(v) for v in raw]
+
+
+async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float) -> dict:
+    async def one(name, fn):
+        try:
+            got = await asyncio.wait_for(fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)),
+                                         timeout_s)
+            return _checked(name, got, len(samples))
+        except RewardError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a raise or a timeout fails the batch's samples)
+            log.warning("async reward %r failed for its %d samples: %s", name, len(samples),
+                        f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return [_FAILED] * len(samples)
+
+    names = list(specs)
+    results = await asyncio.gather(*(one(n, specs[n].fn) for n in names))
+    return dict(zip(names, results))
 
 
 def _checked(name: str, values, n: int) -> list:
@@ -112,12 +225,28 @@ def _checked(name: str, values, n: int) -> list:
     return [None if v is None else float(v) for v in values]
 
 
-def score(samples, tokenizer, funcs: list, weights=None, kwargs=None) -> list:
+@dataclass
+class ScoreOptions:
+    timeout_s: float = 10.0  # per isolated call, per async function
+    workers: int = 2  # reward worker processes (isolated rewards)
+    plugins: tuple = ()  # plugin files the workers import (their rewards register there too)
+    max_tokens: int | None = None  # rollout.max_tokens, for length-shaped rewards
+
+
+def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: ScoreOptions | None = None) -> list:
     """Weighted nansum of the reward functions per sample (NaN for a failed sample); sets `sample.reward`."""
+    opts, kwargs = options or ScoreOptions(), dict(kwargs or {})
     weights = list(weights) if weights else [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise ValueError(f"reward.weights has {len(weights)} entries for {len(funcs)} reward.funcs")
-    table = {name: _values(name, get_reward(name), samples, tokenizer, kwargs or {}) for name in funcs}
+    specs = {name: get_spec(name) for name in funcs}
+    asyncs = {n: sp for n, sp in specs.items() if sp.is_async and not sp.per_sample}
+    table = asyncio.run(_async_values(asyncs, samples, tokenizer, kwargs, opts.timeout_s)) if asyncs else {}
+    for name, spec in specs.items():
+        if name in table:
+            continue
+        table[name] = _per_sample_values(name, spec, samples, tokenizer, kwargs, opts) if spec.per_sample else \
+            _values(name, spec.fn, samples, tokenizer, kwargs)
     total = []
     for i, s in enumerate(samples):
         value, failed = 0.0, []

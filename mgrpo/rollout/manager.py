@@ -99,6 +99,12 @@ class RolloutManager:
             self._scheduler = make_scheduler(self.cfg, self.tokenizer, context_limit(self.cfg))
         return self._scheduler
 
+    def score_options(self):
+        from mgrpo.rewards.registry import ScoreOptions
+
+        r = self.cfg.reward
+        return ScoreOptions(r.timeout_s, r.workers, tuple(self.cfg.external_plugins), self.cfg.rollout.max_tokens)
+
     def rounds_per_step(self) -> int:
         a = self.cfg.algorithm
         return 1 + (a.max_resample_times if a.dynamic_sampling else 0)
@@ -141,7 +147,7 @@ class RolloutManager:
             try:
                 samples = self.generate_share(rows, step, round_, sampling, n, tag)
                 r = self.cfg.reward
-                score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs)
+                score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
                 fail_aborted(samples)  # trajectories that raised train nothing
                 payload = {"samples": [asdict(s) for s in samples]}
             except Exception as exc:  # every rank must leave the collective below, then fail together
