@@ -28,24 +28,37 @@ from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
 
 
 def prepare_tiny_model(cfg, rank: int) -> None:
-    """Rank 0 writes the embedded tiny model once (atomically); other ranks wait for it."""
-    path = cfg.model.path
-    if cfg.model.tiny is None or os.path.isfile(os.path.join(path, "config.json")):
+    """Rank 0 writes the embedded tiny model once (atomically) and warm-starts it if asked; other ranks wait."""
+    path, tiny = cfg.model.path, cfg.model.tiny
+    if tiny is None:
+        return
+    w = tiny.warm_start
+    made = lambda: os.path.isfile(os.path.join(path, "config.json"))  # noqa: E731
+    ready = lambda: made() and (w is None or os.path.isfile(os.path.join(path, "mgrpo_warm_start.json")))  # noqa: E731
+    if ready():
         return
     if rank == 0:
         from dataclasses import asdict
 
         from mgrpo.models.tiny import make_tiny_hf
 
-        t = asdict(cfg.model.tiny)
-        make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
-                     num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
-                     ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"], seed=t["seed"])
+        if not made():
+            t = asdict(tiny)
+            make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
+                         num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
+                         ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"],
+                         seed=t["seed"])
+        if w is not None:
+            from mgrpo.models.warm_start import held_out_pairs, warm_start
+
+            out = warm_start(path, w.steps, held_out_pairs(cfg.eval.path), w.low, w.high, w.batch_size, w.lr, w.seed)
+            print(f"mgrpo: warm start: {out['steps']} steps of addition SFT in {out['seconds']:.1f} s, final loss "
+                  f"{out['loss']:.3f} (validation problems left out)", flush=True)
         return
-    deadline = time.time() + 300
-    while not os.path.isfile(os.path.join(path, "config.json")):
+    deadline = time.time() + 600
+    while not ready():
         if time.time() > deadline:
-            raise ModelConfigError(f"{path}: rank 0 did not finish writing the tiny model within 300 s")
+            raise ModelConfigError(f"{path}: rank 0 did not finish writing the tiny model within 600 s")
         time.sleep(0.5)
 
 

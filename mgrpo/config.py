@@ -24,6 +24,19 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class WarmStartConfig:
+    """A short supervised pass on generated addition before RL (mgrpo.models.warm_start); problems in eval.path
+    (its a and b columns) are left out."""
+    task: str = "addition"
+    steps: int = 500
+    lr: float = 3e-3
+    batch_size: int = 32
+    low: int = 0  # operands in [low, high]
+    high: int = 99
+    seed: int = 0
+
+
+@dataclass
 class TinyModelConfig:
     """Make a random tiny HF model (tests, embedded default) instead of reading `model.path`."""
     family: str = "qwen2"
@@ -35,6 +48,7 @@ class TinyModelConfig:
     ffn_hidden_size: int = 256
     tie_word_embeddings: bool = False
     seed: int = 0
+    warm_start: Optional[WarmStartConfig] = None  # e.g. {steps: 350}: supervised addition before RL
 
 
 @dataclass
@@ -146,6 +160,7 @@ class EvalConfig:
     k: list = field(default_factory=list)  # pass@k for each k (pass@1 always); e.g. [4, 8] with n: 8
     pass_reward: Optional[str] = None  # the reward function whose score decides a pass (null: the weighted total)
     pass_threshold: float = 1.0  # a sample passes when that score is >= this
+    before_train: bool = False  # also validate the initial weights (verl's val_before_train), logged as step -1
 
 
 @dataclass
@@ -336,6 +351,9 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2; set --pp or drop --vpp")
     if p.sp and p.tp < 2:
         e.append("parallel.sp=true needs parallel.tp >= 2; set --tp 2 or --sp false")
+    w = cfg.model.tiny.warm_start if cfg.model.tiny else None
+    if w is not None and (w.task != "addition" or w.steps < 1 or not 0 <= w.low <= w.high):
+        e.append(f"model.tiny.warm_start: task must be addition (got {w.task!r}), steps >= 1 and 0 <= low <= high")
     if not cfg.model.path:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):

@@ -98,6 +98,15 @@ class RunLogger:
         self.bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in SHOWN.items() if k in metrics})
         self.bar.update(1)
 
+    def log_before_training(self, metrics: dict) -> None:
+        """Validation of the initial weights: step -1 in every sink, and one line."""
+        if not self.enabled:
+            return
+        for sink in self.sinks:
+            sink.write(-1, metrics)
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val/pass@"))
+        print(f"mgrpo: validation before training: {shown}", flush=True)
+
     def log_completions(self, step: int, samples: list, advantages, tokenizer) -> None:
         """Every completions_interval steps (and the first): texts, rewards, advantage, finish, weight version."""
         g = self.cfg.logging

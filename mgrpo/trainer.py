@@ -111,6 +111,8 @@ class GRPOTrainer:
     def fit(self) -> list:
         log, history = self.log, []
         try:
+            if self.validator and self.cfg.eval.before_train:  # the starting point, on the initial weights
+                log.log_before_training(self.validator.run(-1, self.version))
             for step in range(self.cfg.train.steps):
                 metrics = self.step(step)
                 history.append(metrics)
