@@ -39,7 +39,8 @@ def test_warm_start_lowers_the_loss_and_replaces_the_folder(tiny_dirs, tmp_path)
 
 
 def test_arith_example_runs_end_to_end(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
            os.path.join(ROOT, "examples", "arith_cpu.yaml"), "--model.path", str(tmp_path / "model"),
            "--model.tiny.warm_start.steps", "20", "--train.steps", "2", "--eval.interval", "2",
