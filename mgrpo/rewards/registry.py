@@ -145,8 +145,7 @@ def _column_kwargs(fn, samples: list, kwargs: dict, skip=("samples", "tokenizer"
     return {n: [s.info.get(n) for s in samples] for n in names if any(n in s.info for s in samples)}
 
 
-def _sample_kwargs(fn, sample, kwargs: dict, max_tokens: int | None) -> dict:
-    accepts = _accepts(fn)
+def _sample_kwargs(accepts: set, sample, kwargs: dict, max_tokens: int | None) -> dict:
     extra = {"length": sum(sample.loss_mask), "max_tokens": max_tokens, "info": sample.info}
     out = {k: v for k, v in kwargs.items() if k in accepts or "**" in accepts}
     out.update({k: v for k, v in extra.items() if k in accepts and k not in kwargs})
@@ -175,7 +174,8 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> 
 
 
 def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts) -> list:
-    items = [((completion_text(s, tokenizer),), _sample_kwargs(spec.fn, s, kwargs, opts.max_tokens)) for s in samples]
+    accepts = _accepts(spec.fn)  # once per function, not per sample
+    items = [((completion_text(s, tokenizer),), _sample_kwargs(accepts, s, kwargs, opts.max_tokens)) for s in samples]
     if spec.isolated:
         from mgrpo.rewards.pool import FAILED, shared_pool
 

@@ -1,29 +1,16 @@
 """`MathTipsScheduler` (ms-swift's `math_tip_trick`): on a wrong answer, cut the turn before its answer and
 append a tip (loss mask 0, no logprobs); the model continues the same assistant message once more.
 
-The answer is checked against the row's `solution` column with math-verify. A tip is given once.
+The answer is checked against the row's `solution` column with math-verify (the `accuracy` reward's check). A tip is given once.
 """
 from __future__ import annotations
 
-import re
-
+from mgrpo.rewards.outcome import verify_answer
 from mgrpo.schedulers.base import MultiTurnScheduler
 from mgrpo.schedulers.registry import register_scheduler
 from mgrpo.schedulers.tokens import truncate_at_text
 
 TIPS = "The answer is not correct, it seems you made a mistake; recheck very carefully.\n"
-
-
-def is_correct(completion: str, solution) -> bool:
-    """math-verify's equivalence of the completion's final answer and the solution (False when unparsable)."""
-    from math_verify import parse, verify
-
-    tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
-    try:
-        gold = parse(str(solution))
-        return bool(gold) and bool(verify(gold, parse(tagged[-1] if tagged else completion)))
-    except Exception:  # noqa: BLE001  (math-verify raises on odd input; that is not a correct answer)
-        return False
 
 
 @register_scheduler("math_tips", "math_tip_trick")
@@ -40,7 +27,7 @@ class MathTipsScheduler(MultiTurnScheduler):
         if solution is None:
             raise KeyError(f"MathTipsScheduler needs a {self.solution_key!r} column in the dataset (or set "
                            f"rollout.scheduler_kwargs.solution_key)")
-        if is_correct(content, solution):
+        if verify_answer(content, solution):
             return True
         return super().check_finished(infer_request, response_choice, current_turn)
 
