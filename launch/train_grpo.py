@@ -25,6 +25,7 @@ from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_
 from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
+from mgrpo.resume import ResumeError, check_resume  # noqa: E402
 
 
 def prepare_tiny_model(cfg, rank: int) -> None:
@@ -75,6 +76,8 @@ def check(argv: list):
     errors = validate_layout(cfg, read_model_info(cfg.model.path), denv.world_size, torch.cuda.is_available())
     if errors:
         raise ConfigError(errors)
+    if cfg.checkpoint.resume:  # a complete checkpoint of this model, and a run that may continue it
+        check_resume(cfg)
     data = load_run_data(cfg, load_tokenizer(cfg.model.path), progress=denv.rank == 0)
     return cfg, denv, data
 
@@ -82,7 +85,7 @@ def check(argv: list):
 def main(argv: list) -> int:
     try:
         cfg, denv, data = check(argv)
-    except (ConfigError, ModelConfigError, DatasetError) as exc:
+    except (ConfigError, ModelConfigError, DatasetError, ResumeError) as exc:
         if read_dist_env().rank == 0:
             lines = str(exc).splitlines()
             print("\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
@@ -90,13 +93,14 @@ def main(argv: list) -> int:
         return 2
     if denv.rank == 0:
         print(describe_algorithm(cfg), flush=True)
+    from mgrpo.checkpoint import CheckpointFolderError
     from mgrpo.resharding.load import CheckpointError
     from mgrpo.rollout.manager import RolloutError
     from mgrpo.trainer import GRPOTrainer
 
     try:
         trainer = GRPOTrainer(cfg, data)
-    except CheckpointError as exc:  # a missing or damaged weight shard, found while loading this rank's slices
+    except (CheckpointError, CheckpointFolderError) as exc:  # a missing or damaged shard, found while loading
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2

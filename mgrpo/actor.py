@@ -164,6 +164,18 @@ class Actor:
     def models(self) -> list:
         return [unwrap(c) for c in self.chunks]
 
+    def train_state(self) -> dict:
+        """What a checkpoint needs beyond the tensors: the LR schedule's position and the skipped-step count."""
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "skipped_steps": self.skipped_steps}
+
+    def load_train_state(self, state: dict) -> None:
+        """The schedule is rebuilt from this run's config (train.steps may have changed) at the saved position."""
+        self.skipped_steps = state["skipped_steps"]
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.num_steps = 0
+            self.scheduler.step(increment=state["scheduler"]["num_steps"])
+
 
 def optimizer_steps(t, rollout_steps: int) -> int:
     return rollout_steps * t.steps_per_generation * t.num_iterations

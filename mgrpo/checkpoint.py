@@ -1,21 +1,33 @@
-"""mgrpo checkpoints: megatron dist_checkpointing state (any layout can load any other) plus what a
-converter needs to rebuild the HF model without the original folder.
+"""mgrpo checkpoints: the whole training state on megatron dist_checkpointing (any layout loads any other).
 
-    step_000010/
-      dist/              megatron dist_checkpointing files of the model chunks
-      hf/                the source config.json, generation_config.json and tokenizer files
-      mgrpo_meta.json    {"mgrpo_version", "step", "layout": {tp, pp, vpp, cp, ep}, "params_dtype", "family"}
+    SAVE_DIR/
+      latest               "step_000010": rewritten by rename, only after that folder is complete
+      step_000010/
+        dist/              dist_checkpointing: model chunks, optimizer state (plain or distributed), RNG per rank,
+                           and the common state (step, weight version, data position, LR scheduler, skipped steps)
+        hf/                the source config.json, generation_config.json and tokenizer files
+        config.yaml        the resolved config of the run that saved it
+        mgrpo_meta.json    step, layout, dtype, family, the same common state as JSON, and every file's size
+      hf_step_000010/      with checkpoint.export_hf_at_end: the converter's HF folder for the last step
 
-The folder is written as step_XXXXXX.tmp and renamed when every rank has finished; an existing folder of the same
-step is renamed aside before and deleted after (`mgrpo.fsutil.replace_dir`), so a kill never leaves neither.
+A save writes step_XXXXXX.tmp; when every rank has finished, rank 0 records the file sizes, renames the folder
+into place, rewrites `latest`, and only then prunes to `keep_last`. A kill at any instant leaves `latest` on a
+complete checkpoint; a leftover .tmp is never read, and the next save of that step replaces it.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import shutil
+import sys
+import time
 
+import numpy as np
+import torch
 import torch.distributed as dist
+import yaml
 
 import mgrpo
 from mgrpo.fsutil import replace_dir
@@ -23,69 +35,365 @@ from mgrpo.parallel.pipeline import unwrap
 from mgrpo.resharding.hf_writer import COPIED
 
 META = "mgrpo_meta.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+DISTOPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # any layout can load it
 
 
 class CheckpointFolderError(ValueError):
-    """A checkpoint folder that is missing, incomplete or damaged; the message names the path."""
+    """A checkpoint folder that is missing, incomplete, damaged or of another model; the message names the path."""
 
 
-def sharded_state(model_chunks) -> dict:
-    return {f"model{i}": unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(model_chunks)}
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")
 
 
-def save_checkpoint(model_chunks, cfg, step: int, save_root: str, src_hf_dir: str) -> str:
-    from megatron.core import dist_checkpointing
-
-    final = os.path.join(save_root, f"step_{step:06d}")
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "dist"))
-        os.makedirs(os.path.join(tmp, "hf"))
-    dist.barrier()
-    dist_checkpointing.save(sharded_state(model_chunks), os.path.join(tmp, "dist"))
-    if dist.get_rank() == 0:
-        for fname in COPIED:
-            if os.path.isfile(os.path.join(src_hf_dir, fname)):
-                shutil.copy(os.path.join(src_hf_dir, fname), os.path.join(tmp, "hf", fname))
-        p = cfg.parallel
-        meta = {"mgrpo_version": mgrpo.__version__, "step": step, "params_dtype": cfg.model.params_dtype,
-                "family": unwrap(model_chunks[0]).mgrpo_info.family,
-                "layout": {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep}}
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f, indent=2)
-        replace_dir(tmp, final)
-    dist.barrier()
-    return final
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def read_meta(ckpt_dir: str) -> dict:
+def _file_sizes(folder: str) -> dict:
+    out = {}
+    for base, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(base, name)
+            if name != META:
+                out[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return out
+
+
+def read_meta(ckpt_dir: str, verify: bool = True) -> dict:
+    """The folder's metadata, after checking that every file it lists is there at its recorded size."""
     if not os.path.isdir(ckpt_dir):
         raise CheckpointFolderError(f"{ckpt_dir}: checkpoint folder not found")
     for need in (META, "dist", os.path.join("hf", "config.json")):
         if not os.path.exists(os.path.join(ckpt_dir, need)):
-            raise CheckpointFolderError(f"{ckpt_dir}: not an mgrpo checkpoint ({need} is missing); point at a "
-                                        f"step_XXXXXX folder written by the trainer")
-    with open(os.path.join(ckpt_dir, META)) as f:
-        return json.load(f)
+            raise CheckpointFolderError(f"{ckpt_dir}: not a complete mgrpo checkpoint ({need} is missing); point at "
+                                        f"a step_XXXXXX folder written by the trainer")
+    try:
+        with open(os.path.join(ckpt_dir, META)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointFolderError(f"{ckpt_dir}/{META}: unreadable ({exc})") from None
+    for rel, size in (meta.get("files") or {}).items() if verify else ():
+        path = os.path.join(ckpt_dir, rel)
+        have = os.path.getsize(path) if os.path.isfile(path) else None
+        if have != size:
+            state = "missing" if have is None else f"{have} bytes, {size} when saved"
+            raise CheckpointFolderError(f"{path}: {state}: the checkpoint is truncated, damaged or missing a file; "
+                                        f"use another checkpoint")
+    return meta
 
 
-def load_checkpoint(model_chunks, ckpt_dir: str) -> dict:
-    """Load model weights saved at any layout into these chunks; returns the metadata."""
+def resolve(spec: str, save_dir: str) -> str:
+    """`--resume` -> the checkpoint folder: "latest" reads SAVE_DIR/latest (never a .tmp), else spec is the folder."""
+    if spec != "latest":
+        return spec.rstrip("/")
+    pointer = os.path.join(save_dir, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            return os.path.join(save_dir, f.read().strip())
+    found = complete_checkpoints(save_dir)  # `latest` not written yet: the newest folder with its metadata
+    if not found:
+        raise CheckpointFolderError(f"--resume: no checkpoint in checkpoint.save_dir={save_dir} (no `latest` and no "
+                                    f"complete step_XXXXXX folder); drop --resume to start a fresh run")
+    return found[-1][1]
+
+
+def complete_checkpoints(save_dir: str) -> list:
+    """[(step, folder)] of renamed (complete) checkpoints, oldest first."""
+    out = []
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        m = STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(save_dir, name, META)):
+            out.append((int(m.group(1)), os.path.join(save_dir, name)))
+    return sorted(out)
+
+
+def rng_state() -> dict:
+    """This rank's generators, as tensors and numbers (dist_checkpointing reads them back with weights_only)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, torch.tensor(state, dtype=torch.int64), gauss],
+           "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+           "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(s: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate((s["python"][0], tuple(int(x) for x in s["python"][1].tolist()), s["python"][2]))
+    kind, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(s["torch"])
+    get_cuda_rng_tracker().set_states(s["tracker"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+def _layout(cfg, world: int) -> dict:
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "world_size": world,
+            "distributed_optimizer": cfg.train.use_distributed_optimizer}
+
+
+def model_state(model_chunks) -> dict:
+    return {f"model{i}": unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(model_chunks)}
+
+
+def training_state(actor, common: dict | None, is_loading: bool, with_rng: bool) -> dict:
+    """The sharded state dict of a training run: models, optimizer, this rank's RNG, and the common state."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = model_state(actor.chunks)
+    if actor.optimizer is not None and is_loading:
+        _allocate_adam_state(actor.optimizer)
+        _fix_distopt_state_copy()
+    if actor.optimizer is not None:
+        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=DISTOPT_FORMAT)
+    if with_rng:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
+    if common is not None:
+        state["common"] = common
+    return state
+
+
+def _fix_distopt_state_copy() -> None:
+    """megatron-core 0.16.1 without Apex/TE keeps Adam's `step` in every parameter's state, and its fully_reshardable
+    load copies each state key from the checkpoint's tensors, which hold no `step`: KeyError. Copy what the
+    checkpoint holds instead (the step is restored from the param groups, as before)."""
+    from megatron.core.optimizer import distrib_optimizer as d
+
+    cls = d.DistributedOptimizer
+    if d.HAVE_APEX_OR_TE or getattr(cls, "_mgrpo_fixed", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            dst[key].copy_(value)
+
+    cls._set_main_param_and_optimizer_states, cls._mgrpo_fixed = set_states, True
+
+
+def _unshare_steps(optimizer) -> None:
+    """megatron's DistributedOptimizer (without Apex/TE) restores Adam's step as ONE tensor shared by every
+    parameter; torch's Adam then adds 1 per parameter per update, and the bias correction drifts. One each."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _allocate_adam_state(optimizer) -> None:
+    """Zero Adam moments and step where none exist yet: the state the checkpoint's values are loaded into.
+    megatron's DistributedOptimizer reads the step from existing state and, without Apex/TE, asserts otherwise."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                          step=torch.zeros((), dtype=torch.float32))
+
+
+class Saver:
+    """Periodic saves of the whole training state (synchronous, or megatron's async save), `latest`, pruning."""
+
+    def __init__(self, cfg):
+        self.cfg, self.c = cfg, cfg.checkpoint
+        self.queue = None
+        found = complete_checkpoints(self.c.save_dir) if self.c.save_dir and not self.c.resume else []
+        if found and dist.get_rank() == 0:
+            print(f"mgrpo: warning: checkpoint.save_dir={self.c.save_dir} already holds checkpoints up to step "
+                  f"{found[-1][0]}; this fresh run replaces them as it goes (--resume continues that run instead)",
+                  file=sys.stderr, flush=True)
+        if self.c.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+
+    def due(self, done_steps: int) -> bool:
+        return bool(self.c.save_dir) and self.c.save_interval > 0 and (
+            done_steps % self.c.save_interval == 0 or done_steps == self.cfg.train.steps)
+
+    def save(self, actor, step: int, common: dict) -> str:
+        from megatron.core import dist_checkpointing
+
+        from mgrpo.config import to_dict
+
+        _forked_results_queue()
+        self.wait()  # one save in flight at a time
+        root = self.c.save_dir
+        final, started = step_dir(root, step), time.time()
+        tmp = final + ".tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed
+            os.makedirs(os.path.join(tmp, "dist"))
+            os.makedirs(os.path.join(tmp, "hf"))
+            for fname in COPIED:
+                if os.path.isfile(os.path.join(self.cfg.model.path, fname)):
+                    shutil.copy(os.path.join(self.cfg.model.path, fname), os.path.join(tmp, "hf", fname))
+            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(self.cfg), f, sort_keys=False)
+        dist.barrier()
+        meta = {"mgrpo_version": mgrpo.__version__, "step": step, "params_dtype": self.cfg.model.params_dtype,
+                "family": actor.info.family, "layout": _layout(self.cfg, dist.get_world_size()), "state": common}
+        state = training_state(actor, common, is_loading=False, with_rng=True)
+        request = dist_checkpointing.save(state, os.path.join(tmp, "dist"), async_sharded_save=self.queue is not None)
+
+        def finalize():
+            pause_point("save", step)  # test hook: a kill while the shards sit in the .tmp folder
+            dist.barrier()
+            if dist.get_rank() == 0:
+                meta["files"] = _file_sizes(tmp)
+                meta["save_seconds"] = round(time.time() - started, 3)
+                _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
+                replace_dir(tmp, final)
+                _write_atomic(os.path.join(root, LATEST), os.path.basename(final) + "\n")
+                self.prune(final)
+                size = sum(meta["files"].values())
+                print(f"mgrpo: checkpoint {final}: {size / 2**20:.1f} MiB in {meta['save_seconds']:.2f} s",
+                      file=sys.stderr, flush=True)
+            dist.barrier()
+
+        if request is None:
+            finalize()
+        else:
+            request.add_finalize_fn(finalize)
+            self.queue.schedule_async_request(request)
+        return final
+
+    def poll(self) -> None:
+        """Finish an async save whose shards are written (collective: every rank calls it each step)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.wait()
+            self.queue.close()
+            self.queue = None
+
+    def prune(self, newest: str) -> None:
+        if self.c.keep_last <= 0:
+            return
+        found = [path for _, path in complete_checkpoints(self.c.save_dir)]
+        for path in found[:-self.c.keep_last]:
+            if os.path.abspath(path) != os.path.abspath(newest):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def export_hf(self, actor, step: int) -> str | None:
+        """checkpoint.export_hf_at_end: the converter's HF folder (SAVE_DIR/hf_step_XXXXXX), written via a tmp."""
+        if not self.c.export_hf_at_end:
+            return None
+        from mgrpo.resharding.export import export_hf
+        from mgrpo.resharding.hf_writer import write_hf_folder
+
+        out = os.path.join(self.c.save_dir, f"hf_step_{step:06d}")
+        tensors = export_hf(actor.models(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
+        if dist.get_rank() == 0:
+            write_hf_folder(tensors, out, self.cfg.model.path, overwrite=True)
+            print(f"mgrpo: HF model for step {step} written to {out}", file=sys.stderr, flush=True)
+        else:
+            for _ in tensors:
+                pass
+        dist.barrier()
+        return out
+
+
+def _forked_results_queue() -> None:
+    """Without CUDA, give megatron's file writer its results queue from a forked manager: its default is a spawned
+    one, which re-imports the launcher (torch, megatron) and added ~6 s to each process's first save on CPU."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not torch.cuda.is_available() and filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
+def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
+    """Restore models, optimizer, RNG (same layout only) into `actor`; returns the common state."""
     from megatron.core import dist_checkpointing
 
     meta = read_meta(ckpt_dir)
+    same_layout = meta["layout"] == _layout(cfg, dist.get_world_size())
+    request = training_state(actor, {}, is_loading=True, with_rng=same_layout)
+    state = _load(request, ckpt_dir)
+    for i, chunk in enumerate(actor.chunks):
+        _load_model(unwrap(chunk), state[f"model{i}"], ckpt_dir)
+    if actor.optimizer is not None:
+        actor.optimizer.load_state_dict(state["optimizer"])
+        _unshare_steps(actor.optimizer)
+    if same_layout:
+        set_rng_state(state["rng_state"])
+    elif dist.get_rank() == 0:
+        print(f"mgrpo: resume: the layout changed ({_layout_text(meta['layout'])} -> "
+              f"{_layout_text(_layout(cfg, dist.get_world_size()))}); dist_checkpointing reshards the model and "
+              f"optimizer state; per-rank RNG states restart from the seed", file=sys.stderr, flush=True)
+    return state["common"]
+
+
+def _layout_text(lay: dict) -> str:
+    dp = lay["world_size"] // (lay["tp"] * lay["pp"] * lay["cp"])
+    return f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp'] or 1} CP{lay['cp']} EP{lay['ep']} DP{dp}" + (
+        " (distributed optimizer)" if lay.get("distributed_optimizer") else "")
+
+
+def _load(request: dict, ckpt_dir: str) -> dict:
+    from megatron.core import dist_checkpointing
+
     try:
-        state = dist_checkpointing.load(sharded_state(model_chunks), os.path.join(ckpt_dir, "dist"))
+        return dist_checkpointing.load(request, os.path.join(ckpt_dir, "dist"))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise CheckpointFolderError(f"{ckpt_dir}/dist: cannot load ({type(exc).__name__}: {first}); "
                                     f"a checkpoint file is truncated, damaged or missing") from None
+
+
+def _load_model(model, state: dict, ckpt_dir: str) -> None:
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise CheckpointFolderError(f"{ckpt_dir}: tensors missing from the checkpoint: {missing[:5]}")
+
+
+def load_checkpoint(model_chunks, ckpt_dir: str) -> dict:
+    """Model weights only (the converter), saved at any layout, into these chunks; returns the metadata."""
+    meta = read_meta(ckpt_dir)
+    state = _load(model_state(model_chunks), ckpt_dir)
     for i, chunk in enumerate(model_chunks):
-        missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing:
-            raise CheckpointFolderError(f"{ckpt_dir}: tensors missing from the checkpoint: {missing[:5]}")
+        _load_model(unwrap(chunk), state[f"model{i}"], ckpt_dir)
     return meta
+
+
+def pause_point(point: str, step: int) -> None:
+    """Test hook (MGRPO_TEST_PAUSE=point:step): rank 0 writes MGRPO_TEST_PAUSE_MARKER and waits to be killed."""
+    if os.environ.get("MGRPO_TEST_PAUSE") == f"{point}:{step}" and dist.get_rank() == 0:
+        with open(os.environ["MGRPO_TEST_PAUSE_MARKER"], "w") as f:
+            f.write(f"{point}:{step}\n")
+        while True:
+            time.sleep(1)

@@ -183,8 +183,12 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: str = ""  # step_XXXXXX folders (megatron dist checkpoint + HF config/tokenizer); see mgrpo/checkpoint.py
+    save_dir: str = ""  # step_XXXXXX folders with the whole training state, and `latest`; see mgrpo/checkpoint.py
     save_interval: int = 0  # every N steps and at the end; 0 = never
+    keep_last: int = 0  # keep the newest N checkpoints (pruned only after a new one is complete); 0 = keep all
+    resume: str = ""  # "" = fresh run; "latest" (the --resume flag) = SAVE_DIR/latest; or a step_XXXXXX folder
+    export_hf_at_end: bool = False  # also write SAVE_DIR/hf_step_XXXXXX (the converter's HF folder) for the last step
+    async_save: bool = False  # megatron's asynchronous save: shards are written while the next steps run
 
 
 @dataclass
@@ -314,6 +318,9 @@ def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
         if key == "--config":
             config_path = inline
             continue
+        if key == "--resume":  # bare: SAVE_DIR/latest; with a path: that checkpoint
+            nested.setdefault("checkpoint", {})["resume"] = "latest" if inline == "true" else inline
+            continue
         if key in ("--external-plugins", "--external_plugins"):  # ms-swift's flag: one file, or a comma list
             nested.setdefault("external_plugins", []).extend(p for p in inline.split(",") if p)
             continue
@@ -358,8 +365,8 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_data, check_eval,
-                                     check_logging, check_rewards, check_sampling, check_scheduler,
+    from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_checkpoint, check_data,
+                                     check_eval, check_logging, check_rewards, check_sampling, check_scheduler,
                                      check_vllm)
     from mgrpo.rollout.engine import engine_names
 
@@ -398,7 +405,7 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
     if t.warmup_steps < 0 or not 0 <= t.min_lr <= t.lr:
         e.append(f"train.warmup_steps={t.warmup_steps} must be >= 0 and train.min_lr={t.min_lr} in [0, train.lr]")
-    e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data)
+    e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
     return e
 
 

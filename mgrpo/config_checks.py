@@ -60,6 +60,20 @@ def check_logging(g) -> list:
     return e
 
 
+def check_checkpoint(c) -> list:
+    e = []
+    if c.save_interval < 0 or c.keep_last < 0:
+        e.append(f"checkpoint.save_interval={c.save_interval} and checkpoint.keep_last={c.keep_last} must be >= 0 "
+                 f"(0 = never save / keep all)")
+    if (c.save_interval or c.export_hf_at_end) and not c.save_dir:
+        e.append("checkpoint.save_interval or checkpoint.export_hf_at_end is set but checkpoint.save_dir is empty; "
+                 "give a folder for the checkpoints")
+    if c.resume == "latest" and not c.save_dir:
+        e.append("--resume (latest) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
+                 "checkpoint: --resume SAVE_DIR/step_XXXXXX")
+    return e
+
+
 def check_algorithm_numbers(a) -> list:
     """Ranges of the resolved algorithm values; each message names the field and the fix."""
     from mgrpo.loss.policy import resolve_epsilons

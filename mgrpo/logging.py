@@ -14,9 +14,28 @@ from tqdm import tqdm
 SHOWN = {"reward/mean": "reward", "actor/kl_old": "kl_old", "actor/clip_frac": "clip", "perf/tokens_per_s": "tok/s"}
 
 
+def cut_back(path: str, first_step: int) -> None:
+    """Keep only the rows of steps before `first_step` (a resumed run appends the rest): tmp file, then rename."""
+    if not os.path.isfile(path):
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(path) as src, open(tmp, "w") as dst:
+        for line in src:
+            try:
+                keep = json.loads(line).get("step", -1) < first_step
+            except ValueError:  # a line cut short by the kill
+                keep = False
+            if keep:
+                dst.write(line if line.endswith("\n") else line + "\n")
+    os.replace(tmp, path)
+
+
 class JsonlSink:
-    def __init__(self, output_dir: str):
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "w")
+    def __init__(self, output_dir: str, resume_step: int = 0):
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step:
+            cut_back(path, resume_step)
+        self.file = open(path, "a" if resume_step else "w")
 
     def write(self, step: int, metrics: dict) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -29,10 +48,14 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars through the tensorboard package's own event-file writer (no TensorFlow, no torch wrapper)."""
 
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, resume_step: int = 0):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+        if resume_step:  # TensorBoard hides the earlier files' events from this step on (torch's purge_step)
+            self.writer.add_event(Event(step=resume_step, wall_time=time.time(),
+                                        session_log=SessionLog(status=SessionLog.START)))
 
     def write(self, step: int, metrics: dict) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -50,11 +73,16 @@ class TensorBoardSink:
 class WandbSink:
     """A wandb run in OUTPUT_DIR/wandb; `mode: offline` writes it locally with no network."""
 
-    def __init__(self, output_dir: str, wcfg, config: dict):
+    def __init__(self, output_dir: str, wcfg, config: dict, resume_step: int = 0):
         import wandb
 
+        id_file = os.path.join(output_dir, "wandb", "mgrpo_run_id")
+        run_id = open(id_file).read().strip() if resume_step and os.path.isfile(id_file) else None
         self.run = wandb.init(project=wcfg.project, name=wcfg.name, mode=wcfg.mode, dir=output_dir, config=config,
-                              reinit="finish_previous")
+                              reinit="finish_previous", id=run_id, resume="allow" if run_id else None)
+        os.makedirs(os.path.dirname(id_file), exist_ok=True)
+        with open(id_file, "w") as f:  # a resumed run continues this wandb run
+            f.write(self.run.id)
 
     def write(self, step: int, metrics: dict) -> None:
         self.run.log(dict(metrics), step=step)
@@ -64,7 +92,8 @@ class WandbSink:
 
 
 class RunLogger:
-    def __init__(self, cfg, enabled: bool = True):
+    def __init__(self, cfg, enabled: bool = True, resume_step: int = 0):
+        """`resume_step`: the first step of a resumed run; the files are cut back to the steps before it."""
         from mgrpo.config import to_dict
 
         g = cfg.logging
@@ -76,17 +105,20 @@ class RunLogger:
         with open(tmp, "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         os.replace(tmp, os.path.join(self.dir, "config.yaml"))
-        self.sinks = [JsonlSink(self.dir)]
+        self.sinks = [JsonlSink(self.dir, resume_step)]
         if g.tensorboard:
-            self.sinks.append(TensorBoardSink(self.dir))
+            self.sinks.append(TensorBoardSink(self.dir, resume_step))
         if g.wandb is not None:
-            self.sinks.append(WandbSink(self.dir, g.wandb, to_dict(cfg)))
-        self.completions = open(os.path.join(self.dir, "completions.jsonl"), "w") if g.completions_interval else None
+            self.sinks.append(WandbSink(self.dir, g.wandb, to_dict(cfg), resume_step))
+        completions = os.path.join(self.dir, "completions.jsonl")
+        if resume_step:
+            cut_back(completions, resume_step)
+        self.completions = open(completions, "a" if resume_step else "w") if g.completions_interval else None
         outputs = ["metrics.jsonl", "config.yaml"] + (["completions.jsonl"] if self.completions else []) + \
             (["report.png"] if g.report else []) + (["tensorboard/"] if g.tensorboard else []) + \
             (["wandb/"] if g.wandb is not None else [])
         print(f"mgrpo: outputs go to {os.path.abspath(self.dir)}: {', '.join(outputs)}", file=sys.stderr, flush=True)
-        self.bar = tqdm(total=cfg.train.steps, desc="grpo", unit="step", dynamic_ncols=True,
+        self.bar = tqdm(total=cfg.train.steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True,
                         disable=not g.progress_bar)
 
     def log(self, step: int, metrics: dict) -> None:

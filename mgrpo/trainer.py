@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from mgrpo.actor import Actor
+from mgrpo.checkpoint import Saver, load_training_state, pause_point
 from mgrpo.data.batching import build_generation_batch, describe_batching, sequence_kl
 from mgrpo.data.dataset import PromptStream, load_run_data
 from mgrpo.data.dynamic_sampling import collect, unit_groups
@@ -20,6 +21,7 @@ from mgrpo.metrics import step_metrics
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
+from mgrpo.resume import check_resume
 from mgrpo.resharding.export import export_hf
 from mgrpo.rollout.engine import truncation_warning
 from mgrpo.rollout.manager import RolloutManager, engine_owners, owner_index, push_weights, start_engine
@@ -46,12 +48,27 @@ class GRPOTrainer:
         self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
-        self.version = 0
-        self.log = RunLogger(cfg, enabled=self.rank == 0)  # metrics.jsonl, TensorBoard, wandb, completions
+        self.saver, self.version = Saver(cfg), 0
+        self.start_step = self.resume() if cfg.checkpoint.resume else 0
+        # metrics.jsonl, TensorBoard, wandb, completions; a resumed run's are cut back to its checkpoint's step
+        self.log = RunLogger(cfg, enabled=self.rank == 0, resume_step=self.start_step)
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
             print("\n".join(["data: " + train_set.summary()] + (["eval: " + val_set.summary()] if val_set else [])
                             + [describe_batching(cfg, self.dp)]), flush=True)
+
+    def resume(self) -> int:
+        """Models, optimizer, LR schedule, RNG, data position and weight version from the checkpoint; the engines,
+        started from the HF folder, get its weights (under its version) before the first rollout."""
+        notes = check_resume(self.cfg)  # the launcher checked already; a trainer built in-process checks here
+        common = load_training_state(self.actor, self.cfg.checkpoint.resume, self.cfg)
+        self.actor.load_train_state(common["actor"])
+        self.prompts.load_state_dict(common["prompts"])
+        self.version = common["weight_version"] - 1
+        self.sync_weights()
+        if self.rank == 0:
+            print("\n".join(notes), flush=True)
+        return common["step"]
 
     def rollout_and_score(self, step: int, round_: int = 0) -> list:
         """A fresh batch of prompts, generated and scored by the engines; every rank gets every sample."""
@@ -91,6 +108,7 @@ class GRPOTrainer:
         batch.set_advantages(adv)
         with timer("train"):
             updates = [self.actor.train_step(mbs) for mbs in batch.updates(self.cfg.train.num_iterations)]
+        pause_point("train", step)  # test hook: a kill between the update and the sync
         with timer("sync"):
             self.sync_weights()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer)
@@ -101,23 +119,25 @@ class GRPOTrainer:
         return metrics
 
     def maybe_save(self, done_steps: int) -> None:
-        c = self.cfg.checkpoint
-        if c.save_dir and c.save_interval > 0 and (done_steps % c.save_interval == 0
-                                                   or done_steps == self.cfg.train.steps):
-            from mgrpo.checkpoint import save_checkpoint
-
-            save_checkpoint(self.actor.chunks, self.cfg, done_steps, c.save_dir, self.cfg.model.path)
+        """The whole training state every checkpoint.save_interval steps and at the end (mgrpo/checkpoint.py)."""
+        self.saver.poll()
+        if self.saver.due(done_steps):
+            self.saver.save(self.actor, done_steps, {"step": done_steps, "weight_version": self.version,
+                                                     "prompts": self.prompts.state_dict(),
+                                                     "actor": self.actor.train_state()})
 
     def fit(self) -> list:
         log, history = self.log, []
         try:
-            if self.validator and self.cfg.eval.before_train:  # the starting point, on the initial weights
+            if self.validator and self.cfg.eval.before_train and not self.start_step:  # on the initial weights
                 log.log_before_training(self.validator.run(-1, self.version))
-            for step in range(self.cfg.train.steps):
+            for step in range(self.start_step, self.cfg.train.steps):
                 metrics = self.step(step)
                 history.append(metrics)
                 log.log(step, metrics)
                 self.maybe_save(step + 1)
+            self.saver.close()  # an async save finishes before the run ends
+            self.saver.export_hf(self.actor, self.cfg.train.steps)
         finally:
             log.close()
             self.close()

@@ -68,9 +68,10 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     if dist.get_rank() == 0:
         torch.save({"loss": float(loss), "weights": exported}, os.path.join(out_dir, f"{tag}.export.pt"))
     if save_to:
-        from mgrpo.checkpoint import save_checkpoint
+        from mgrpo.checkpoint import Saver
 
-        save_checkpoint(actor.chunks, cfg, 1, save_to, model_dir)
+        cfg.checkpoint.save_dir, cfg.model.path = save_to, model_dir
+        Saver(cfg).save(actor, 1, {"step": 1, "weight_version": 1})
     dist.barrier()
 
 
