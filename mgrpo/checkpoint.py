@@ -263,13 +263,15 @@ class Saver:
             dist.barrier()
             if dist.get_rank() == 0:
                 meta["files"] = _file_sizes(tmp)
-                meta["save_seconds"] = round(time.time() - started, 3)
+                meta["save_seconds"] = round(time.time() - started, 3)  # until complete
+                meta["blocking_seconds"] = round(meta.get("blocking_seconds", meta["save_seconds"]), 3)  # the loop's
                 _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
                 replace_dir(tmp, final)
                 _write_atomic(os.path.join(root, LATEST), os.path.basename(final) + "\n")
                 self.prune(final)
                 size = sum(meta["files"].values())
-                print(f"mgrpo: checkpoint {final}: {size / 2**20:.1f} MiB in {meta['save_seconds']:.2f} s",
+                wait = f" (the loop waited {meta['blocking_seconds']:.2f} s)" if request is not None else ""
+                print(f"mgrpo: checkpoint {final}: {size / 2**20:.1f} MiB in {meta['save_seconds']:.2f} s{wait}",
                       file=sys.stderr, flush=True)
             dist.barrier()
 
@@ -278,6 +280,7 @@ class Saver:
         else:
             request.add_finalize_fn(finalize)
             self.queue.schedule_async_request(request)
+            meta["blocking_seconds"] = time.time() - started
         return final
 
     def poll(self) -> None:
@@ -337,7 +340,7 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
     """Restore models, optimizer, RNG (same layout only) into `actor`; returns the common state."""
     from megatron.core import dist_checkpointing
 
-    meta = read_meta(ckpt_dir)
+    meta, started = read_meta(ckpt_dir), time.time()
     same_layout = meta["layout"] == _layout(cfg, dist.get_world_size())
     request = training_state(actor, {}, is_loading=True, with_rng=same_layout)
     state = _load(request, ckpt_dir)
@@ -352,6 +355,8 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
         print(f"mgrpo: resume: the layout changed ({_layout_text(meta['layout'])} -> "
               f"{_layout_text(_layout(cfg, dist.get_world_size()))}); dist_checkpointing reshards the model and "
               f"optimizer state; per-rank RNG states restart from the seed", file=sys.stderr, flush=True)
+    if dist.get_rank() == 0:
+        print(f"mgrpo: resume: training state loaded in {time.time() - started:.2f} s", file=sys.stderr, flush=True)
     return state["common"]
 
 
