@@ -25,7 +25,6 @@ from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_
 from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
-from mgrpo.resume import ResumeError, check_resume  # noqa: E402
 
 
 def prepare_tiny_model(cfg, rank: int) -> None:
@@ -77,12 +76,16 @@ def check(argv: list):
     if errors:
         raise ConfigError(errors)
     if cfg.checkpoint.resume:  # a complete checkpoint of this model, and a run that may continue it
+        from mgrpo.resume import check_resume
+
         check_resume(cfg)
     data = load_run_data(cfg, load_tokenizer(cfg.model.path), progress=denv.rank == 0)
     return cfg, denv, data
 
 
 def main(argv: list) -> int:
+    from mgrpo.resume import ResumeError  # imported here: worker processes spawned later re-import this module
+
     try:
         cfg, denv, data = check(argv)
     except (ConfigError, ModelConfigError, DatasetError, ResumeError) as exc:
