@@ -338,7 +338,6 @@ def _forked_results_queue() -> None:
 
 def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
     """Restore models, optimizer, RNG (same layout only) into `actor`; returns the common state."""
-    from megatron.core import dist_checkpointing
 
     meta, started = read_meta(ckpt_dir), time.time()
     same_layout = meta["layout"] == _layout(cfg, dist.get_world_size())

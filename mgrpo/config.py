@@ -86,8 +86,20 @@ class VLLMConfig:
 
 
 @dataclass
+class RemoteConfig:
+    """rollout.engine: remote: guarded rollout servers (launch/rollout_server.py), each a replica."""
+    token_file: str = ""  # file holding the servers' token; MGRPO_SERVER_TOKEN wins when set
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0  # one generation request; past it the server is excluded and it is retried
+    max_inflight_per_server: int = 64
+    retries: int = 2  # a failed generation request is retried on another server, with backoff
+    backoff_s: float = 0.5  # doubled after each retry
+    update_timeout_s: float = 600.0  # one bucket or commit of a weight update
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "hf"  # a registered backend: hf (in-process transformers) | vllm (colocated child process)
+    engine: str = "hf"  # hf (in-process transformers) | vllm (colocated child process) | remote (rollout servers)
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
     max_inflight: int = 256  # single turn: requests per engine call; several in flight only for async engines
@@ -105,6 +117,8 @@ class RolloutConfig:
     max_concurrent: int = 64  # trajectories in flight per engine (each has at most one request at the engine)
     max_total_tokens: Optional[int] = None  # prompt + all turns; null: the engine's context (max_model_len)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    servers: list = field(default_factory=list)  # rollout.engine: remote: [http://host:port, ...] (or "a,b")
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
 @dataclass
@@ -332,7 +346,10 @@ def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
         parts = dotted.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(inline)
+        value = yaml.safe_load(inline)
+        if dotted == "rollout.servers" and isinstance(value, str):  # --rollout.servers URL1,URL2
+            value = [u for u in value.split(",") if u]
+        node[parts[-1]] = value
     if errors:
         raise ConfigError(errors)
     return config_path, nested
@@ -366,15 +383,17 @@ def validate(cfg: Config) -> list[str]:
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_checkpoint, check_data,
-                                     check_eval, check_logging, check_rewards, check_sampling, check_scheduler,
+                                     check_eval, check_logging, check_remote, check_rewards, check_sampling, check_scheduler,
                                      check_vllm)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
-        e.append(f"rollout.engine={r.engine!r} is not available in this build (remote engines are planned); "
+        e.append(f"rollout.engine={r.engine!r} is not a registered rollout engine; "
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
+    if r.engine == "remote":
+        e += check_remote(r)
     e += check_scheduler(r) + check_rewards(cfg.reward)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")

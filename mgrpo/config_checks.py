@@ -60,6 +60,27 @@ def check_logging(g) -> list:
     return e
 
 
+def check_remote(r) -> list:
+    """rollout.engine: remote: where the servers are and how long to wait for them."""
+    e = []
+    servers = r.servers.split(",") if isinstance(r.servers, str) else list(r.servers or [])
+    r.servers = [s.strip() for s in servers if s and s.strip()]
+    if not r.servers:
+        e.append("rollout.engine=remote needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
+                 "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)")
+    for url in r.servers:
+        if not url.startswith(("http://", "https://")):
+            e.append(f"rollout.servers: {url!r} is not an http:// or https:// URL")
+    m = r.remote
+    for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
+        if getattr(m, name) <= 0:
+            e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
+    if m.retries < 0 or m.max_inflight_per_server < 1:
+        e.append(f"rollout.remote.retries={m.retries} must be >= 0 and max_inflight_per_server="
+                 f"{m.max_inflight_per_server} >= 1")
+    return e
+
+
 def check_checkpoint(c) -> list:
     e = []
     if c.save_interval < 0 or c.keep_last < 0:

@@ -23,8 +23,8 @@ from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
 from mgrpo.resharding.export import export_hf
-from mgrpo.rollout.engine import truncation_warning
-from mgrpo.rollout.manager import RolloutManager, engine_owners, owner_index, push_weights, start_engine
+from mgrpo.rollout.manager import (RolloutManager, engine_owners, needs_initial_weights, owner_index, push_weights,
+                                  start_engine)
 from mgrpo.validation import Validator
 
 
@@ -43,32 +43,34 @@ class GRPOTrainer:
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
-        if self.rank == 0 and truncation_warning(cfg):
-            print(truncation_warning(cfg), flush=True)
         self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
         self.saver, self.version = Saver(cfg), 0
-        self.start_step = self.resume() if cfg.checkpoint.resume else 0
-        # metrics.jsonl, TensorBoard, wandb, completions; a resumed run's are cut back to its checkpoint's step
-        self.log = RunLogger(cfg, enabled=self.rank == 0, resume_step=self.start_step)
+        self.start_step = self.restore()
+        self.log = RunLogger(cfg, enabled=self.rank == 0, resume_step=self.start_step)  # cut back on resume
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
             print("\n".join(["data: " + train_set.summary()] + (["eval: " + val_set.summary()] if val_set else [])
                             + [describe_batching(cfg, self.dp)]), flush=True)
 
-    def resume(self) -> int:
-        """Models, optimizer, LR schedule, RNG, data position and weight version from the checkpoint; the engines,
-        started from the HF folder, get its weights (under its version) before the first rollout."""
-        notes = check_resume(self.cfg)  # the launcher checked already; a trainer built in-process checks here
-        common = load_training_state(self.actor, self.cfg.checkpoint.resume, self.cfg)
-        self.actor.load_train_state(common["actor"])
-        self.prompts.load_state_dict(common["prompts"])
-        self.version = common["weight_version"] - 1
-        self.sync_weights()
-        if self.rank == 0:
-            print("\n".join(notes), flush=True)
-        return common["step"]
+    def restore(self) -> int:
+        """A resumed run's state from its checkpoint (models, optimizer, LR schedule, RNG, data position, weight
+        version). Engines that may hold other weights (any, on resume; remote servers, always) then get the
+        trainer's, under the current version, before the first rollout. Returns the first step to run."""
+        start = 0
+        if self.cfg.checkpoint.resume:
+            notes = check_resume(self.cfg)  # the launcher checked already; a trainer built in-process checks here
+            common = load_training_state(self.actor, self.cfg.checkpoint.resume, self.cfg)
+            self.actor.load_train_state(common["actor"])
+            self.prompts.load_state_dict(common["prompts"])
+            self.version, start = common["weight_version"], common["step"]
+            if self.rank == 0:
+                print("\n".join(notes), flush=True)
+        if self.cfg.checkpoint.resume or needs_initial_weights(self.cfg):
+            self.version -= 1
+            self.sync_weights()
+        return start
 
     def rollout_and_score(self, step: int, round_: int = 0) -> list:
         """A fresh batch of prompts, generated and scored by the engines; every rank gets every sample."""

@@ -52,6 +52,7 @@ def engine_names() -> list:
 def _builtins():
     import mgrpo.rollout.hf_engine  # noqa: F401  (registers "hf")
     import mgrpo.rollout.vllm_engine  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
+    import mgrpo.rollout.remote_engine  # noqa: F401  (registers "remote")
 
 
 def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:

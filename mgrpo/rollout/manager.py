@@ -133,7 +133,7 @@ class RolloutManager:
                                   loss_mask=[1] * len(resp.token_ids), rollout_logprobs=list(resp.logprobs),
                                   group_id=first_group + i, weight_version=min(resp.weight_versions, default=0),
                                   finish_reason=resp.finish_reason, messages=rows[i]["messages"],
-                                  info=dict(extra, engine=self.engine.name)))
+                                  info=dict(extra, engine=resp.served_by or self.engine.name)))
         return samples
 
     def rollout(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
@@ -206,7 +206,16 @@ def start_engine(cfg, tokenizer, owners: dict):
         except Exception as exc:  # noqa: BLE001  (reported on every rank below)
             error = f"rank {rank}: the {cfg.rollout.engine} engine did not start: {type(exc).__name__}: {exc}"
     fail_together(error, list(owners.values()))
+    from mgrpo.rollout.engine import truncation_warning
+
+    if rank == 0 and truncation_warning(cfg):
+        print(truncation_warning(cfg), flush=True)
     return engine
+
+
+def needs_initial_weights(cfg) -> bool:
+    """Remote servers were started on their own and may hold any weights: push the trainer's before step 0."""
+    return cfg.rollout.engine == "remote"
 
 
 def push_weights(transport, named_tensors, version: int, owners: list) -> None:

@@ -30,6 +30,7 @@ class GenerationResponse:
     logprobs: list  # of the distribution sampled from (after temperature / top-k / top-p)
     finish_reason: str  # stop | length
     weight_versions: list  # the weight version that produced each token
+    served_by: str = ""  # which server of a multi-replica engine answered ("" = the engine itself)
 
 
 @dataclass

@@ -63,6 +63,47 @@ class WeightReceiver:
                 buf.close()
 
 
+class FileReceiver:
+    def mgrpo_load_files(self, paths: list, expected: dict, optional: list) -> dict:
+        """One update staged by the rollout server as bucket files (sha256 already checked there): every bucket
+        is checked against this model and the whole set for completeness before anything is loaded; then
+        vLLM's reload_weights reads the tensors straight out of the mapped files. Never raises into the core."""
+        import mmap
+
+        from mgrpo.rollout.server import read_bucket
+
+        check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in expected.items()}, optional, receiver="rollout server")
+        files, maps, buckets = [], [], []
+        try:
+            for path in paths:
+                files.append(open(path, "rb"))
+                maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_COPY))
+                bucket = read_bucket(maps[-1])
+                bucket.verified = bucket.manifest.get("sha256")  # the server checked it as it arrived
+                check.add(bucket)
+                buckets.append(bucket)
+            receipt = check.finish()
+        except (OSError, BucketError, KeyError, TypeError, ValueError) as exc:
+            return {"ok": False, "poisoned": False, "error": f"update rejected before loading, old weights still "
+                                                             f"serve: {exc}"}
+        t0 = time.perf_counter()
+        try:
+            self.reload_weights(weights_iterator=(item for b in buckets for item in b.tensors()))
+        except Exception as exc:  # noqa: BLE001
+            return {"ok": False, "poisoned": True, "error": f"update failed while loading, the engine holds a mix "
+                                                            f"of versions: {type(exc).__name__}: {exc}"}
+        finally:
+            buckets.clear()
+            for m in maps:
+                try:
+                    m.close()
+                except BufferError:  # a tensor view still alive; the mapping goes with it
+                    pass
+            for f in files:
+                f.close()
+        return {"ok": True, "receipt": receipt, "load_s": time.perf_counter() - t0}
+
+
 def _receive(worker, sock, buffers: dict, expected: dict, optional: list) -> dict:
     check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in expected.items()}, optional, receiver="vLLM engine")
     pending: deque = deque()

@@ -1,0 +1,146 @@
+"""Weight sync to a remote rollout server over HTTP, side by side: one request per tensor vs 64 MB buckets, the
+same ~100M-parameter Qwen2-style model (fp32) exported from a megatron actor into the same guarded vLLM server
+(launch/rollout_server.py on loopback). Time is split into export (megatron -> HF tensors, hashing), transfer
+(HTTP PUTs, sha256 checked by the server), load (the server's vLLM reload) and cache reset; peak RSS above the
+starting point is sampled on both sides during each push.
+
+    python benchmarks/weight_sync.py [--model 100m|tiny] [--reps 2]
+
+Ends with one line: result: per_tensor_s=... bucket_s=... speedup=... peak_rss_mb=...
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODELS = {
+    "tiny": dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=256),
+    "100m": dict(family="qwen2", vocab_size=32000, hidden_size=640, num_layers=12, num_heads=10, num_kv_heads=2,
+                 ffn_hidden_size=1792),
+}
+TOKEN = "benchmark-" + os.urandom(8).hex()
+
+
+class PeakRSS:
+    """Peak resident memory of some processes above where it started, sampled every 5 ms."""
+
+    def __init__(self, procs):
+        self.procs, self.stop, self.peak = procs, threading.Event(), 0
+
+    def rss(self) -> int:
+        total = 0
+        for p in self.procs():
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def __enter__(self):
+        self.base = self.rss()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        return self
+
+    def run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.rss() - self.base)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def start_server(model: str, port: int, log: str) -> subprocess.Popen:
+    env = dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--model", model,
+                             "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while f"ready: http://127.0.0.1:{port}" not in open(log).read():
+        if proc.poll() is not None or time.time() > deadline:
+            sys.exit("the rollout server did not start:\n" + open(log).read()[-3000:])
+        time.sleep(0.5)
+    return proc
+
+
+def push(engine, actor, bucket_bytes: int, version: int, server_pid: int) -> dict:
+    from mgrpo.resharding.export import export_hf
+
+    server = psutil.Process(server_pid)
+    transport = engine.weight_transport(bucket_bytes)
+    t0 = time.perf_counter()
+    with PeakRSS(lambda: [psutil.Process()]) as mine, \
+            PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs:
+        receipt = transport.send(export_hf(actor.models(), dst=0, bucket_bytes=64 << 20), version)
+    transport.close()
+    return dict(receipt, total_s=time.perf_counter() - t0, trainer_peak_mb=mine.peak / 2**20,
+                server_peak_mb=theirs.peak / 2**20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="100m", choices=sorted(MODELS))
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    from mgrpo.actor import Actor
+    from mgrpo.config import ParallelConfig, load_config
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.models.tiny import make_tiny_hf
+    from mgrpo.parallel.distributed import free_port, init_distributed
+    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.rollout.remote_engine import RemoteEngine
+
+    with tempfile.TemporaryDirectory() as root:
+        model = make_tiny_hf(os.path.join(root, "model"), seed=0, **MODELS[args.model])
+        port = free_port()
+        server = start_server(model, port, os.path.join(root, "server.log"))
+        try:
+            init_distributed()
+            setup_model_parallel(ParallelConfig())
+            cfg = load_config(argv=["--model.path", model], check_files=False)
+            actor = Actor(cfg, model, train=False)
+            largest = max(p.numel() * p.element_size() for c in actor.models() for p in c.parameters())
+            engine = RemoteEngine([f"http://127.0.0.1:{port}"], TOKEN, load_tokenizer(model).eos_token_id,
+                                  update_timeout_s=1200)
+            rows, version = {}, 0
+            for label, bucket in (("per tensor", 1), ("64 MB buckets", 64 << 20)) * args.reps:
+                version += 1
+                rows.setdefault(label, []).append(push(engine, actor, bucket, version, server.pid))
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    best = {k: min(v, key=lambda r: r["total_s"]) for k, v in rows.items()}
+    print(f"model {args.model}: {best['64 MB buckets']['bytes'] / 2**20:.0f} MiB of weights, largest tensor "
+          f"{largest / 2**20:.0f} MiB; best of {args.reps}")
+    print(f"{'':14} {'requests':>8} {'total s':>8} {'export s':>9} {'transfer s':>11} {'load s':>7} {'reset s':>8} "
+          f"{'trainer +MB':>12} {'server +MB':>11}")
+    for label, r in best.items():
+        print(f"{label:14} {r['buckets']:8d} {r['total_s']:8.2f} {r['export_s']:9.2f} {r['transfer_s']:11.2f} "
+              f"{r['load_s']:7.2f} {r['reset_s']:8.3f} {r['trainer_peak_mb']:12.0f} {r['server_peak_mb']:11.0f}")
+    per, buck = best["per tensor"]["total_s"], best["64 MB buckets"]["total_s"]
+    bound = 64 + largest / 2**20 + 64
+    peak = best["64 MB buckets"]["trainer_peak_mb"]
+    print(f"speedup {per / buck:.2f}x; trainer-side peak with buckets {peak:.0f} MB (bound: bucket 64 + largest "
+          f"tensor {largest / 2**20:.0f} + 64 = {bound:.0f} MB)")
+    print(f"result: per_tensor_s={per:.3f} bucket_s={buck:.3f} speedup={per / buck:.2f} peak_rss_mb={peak:.0f} "
+          f"server_peak_rss_mb={best['64 MB buckets']['server_peak_mb']:.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A guarded vLLM rollout server for `rollout.engine: remote` (see mgrpo/rollout/server.py).
+
+    MGRPO_SERVER_TOKEN=... python launch/rollout_server.py --model DIR --port 8000 [--host 127.0.0.1]
+    python launch/rollout_server.py --model DIR --port 8000 --token-file /path/token     (the file holds the token)
+
+The token comes from MGRPO_SERVER_TOKEN or --token-file, never from a flag's value, and is never logged. Every route
+but GET /health needs `Authorization: Bearer TOKEN`. Binds 127.0.0.1 unless --host says otherwise; a non-loopback
+host without a token is refused. Prints `ready: http://HOST:PORT` when it serves. Extra arguments after `--` go to
+vLLM's own server (e.g. `-- --tensor-parallel-size 8 --gpu-memory-utilization 0.85`).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def read_token(token_file: str | None) -> str | None:
+    if os.environ.get("MGRPO_SERVER_TOKEN"):
+        return os.environ["MGRPO_SERVER_TOKEN"].strip()
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip() or None
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
+    ap.add_argument("--token-file", default=None, help="file holding the token (else MGRPO_SERVER_TOKEN)")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU (exact logprobs), bfloat16 on GPU")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-bucket-mb", type=int, default=4096, help="largest weight bucket accepted")
+    args, extra = ap.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        return fail(f"--model {args.model}: no config.json there; give an HF model folder")
+    try:
+        token = read_token(args.token_file)
+    except OSError as exc:
+        return fail(f"--token-file {args.token_file}: cannot read it ({exc.strerror})")
+    if token is None:
+        if not is_loopback(args.host):
+            return fail(f"--host {args.host} is not loopback and no token is set; set MGRPO_SERVER_TOKEN or "
+                        f"--token-file (every route but /health needs it)")
+        import secrets
+
+        token = secrets.token_urlsafe(32)
+        path = os.path.join(os.path.expanduser("~"), ".cache", "mgrpo", f"rollout-server-{args.port}.token")
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        print(f"mgrpo: no token given: a new one is in {path} (clients: MGRPO_SERVER_TOKEN=$(cat {path}))",
+              file=sys.stderr, flush=True)
+    os.environ.pop("MGRPO_SERVER_TOKEN", None)  # vLLM's processes need not see it
+    import torch
+
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import uvloop
+
+    from mgrpo.rollout.server import serve, vllm_args
+
+    vargs = vllm_args(os.path.abspath(args.model), args.host, args.port, dtype, args.seed, args.max_model_len,
+                      args.max_num_seqs, extra)
+
+    def ready(address: str) -> None:
+        print(f"ready: {address}", flush=True)
+
+    try:
+        uvloop.run(serve(vargs, token, args.max_bucket_mb << 20, ready))
+    except OSError as exc:
+        if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
+            return fail(f"--port {args.port}: address {args.host}:{args.port} is already in use; pick another port",
+                        1)
+        return fail(f"server stopped: {exc}", 1)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001  (the engine did not start: the model folder, memory, ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return fail(f"--model {args.model}: vLLM could not start on it ({type(exc).__name__}: {first})", 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

