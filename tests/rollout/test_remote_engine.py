@@ -289,3 +289,28 @@ def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
         assert versions == [steps, steps]
     finally:
         second.stop()
+
+
+def test_server_refusals_are_one_line(dirs, tmp_path):
+    """No token on a non-loopback host, a folder that is not a model, a port in use: one line, non-zero exit."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k != "MGRPO_SERVER_TOKEN"}
+    script = os.path.join(ROOT, "launch", "rollout_server.py")
+
+    def refuse(*args, extra_env=None):
+        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(env, **(extra_env or {})), timeout=300)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode != 0 and len(errors) == 1, r.stderr[-2000:]
+        return errors[0]
+
+    assert "not loopback and no token" in refuse("--model", dirs["base"], "--port", "1", "--host", "0.0.0.0")
+    assert "no config.json" in refuse("--model", str(tmp_path), "--port", "1",
+                                      extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        line = refuse("--model", dirs["base"], "--port", str(busy.getsockname()[1]),
+                      extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
+    assert "already in use" in line, line
