@@ -388,7 +388,7 @@ def validate(cfg: Config) -> list[str]:
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
-        e.append(f"rollout.engine={r.engine!r} is not a registered rollout engine; "
+        e.append(f"rollout.engine={r.engine!r} is not available in this build; "
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
