@@ -100,7 +100,7 @@ def resolve(spec: str, save_dir: str) -> str:
             return os.path.join(save_dir, f.read().strip())
     found = complete_checkpoints(save_dir)  # `latest` not written yet: the newest folder with its metadata
     if not found:
-        raise CheckpointFolderError(f"--resume: no checkpoint in checkpoint.save_dir={save_dir} (no `latest` and no "
+        raise CheckpointFolderError(f"no checkpoint in checkpoint.save_dir={save_dir} (no `latest` and no "
                                     f"complete step_XXXXXX folder); drop --resume to start a fresh run")
     return found[-1][1]
 
