@@ -3,7 +3,8 @@ group starts or any file is written; every refusal is one line that names the fi
 
 May change on resume: the parallel layout (dist_checkpointing reshards), train.steps, logging, and the rest of the
 config (each change is printed). May not: the model's shapes and vocabulary, model.params_dtype, the policy loss
-and advantage, rollout.n and train.seed: the continued run would not be the same run.
+and advantage, rollout.n and train.seed (the continued run would not be the same run), and
+train.use_distributed_optimizer (megatron-core 0.16 loads neither optimizer's state into the other).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import yaml
 
 from mgrpo.checkpoint import CheckpointFolderError, read_meta, resolve
 
-FIXED = ("model.params_dtype", "algorithm.policy_loss", "algorithm.advantage", "rollout.n", "train.seed")
-FREE = {"train.steps", "train.use_distributed_optimizer", "model.path", "external_plugins"}  # not reported
+FIXED = ("model.params_dtype", "algorithm.policy_loss", "algorithm.advantage", "rollout.n", "train.seed",
+         "train.use_distributed_optimizer")  # megatron-core 0.16 cannot load one optimizer's state into the other
+FREE = {"train.steps", "model.path", "external_plugins"}  # not reported
 FREE_SECTIONS = ("checkpoint.", "logging.", "parallel.", "model.tiny")
 MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
