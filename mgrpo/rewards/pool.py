@@ -21,6 +21,7 @@ def _serve(conn, plugin_paths: list) -> None:
     from mgrpo.plugins import load_plugins
 
     load_plugins(plugin_paths)
+    conn.send(("ready", None))  # the parent starts a call's clock only from here: start-up is not the call's
     while True:
         try:
             job = conn.recv()
@@ -40,6 +41,7 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(child, plugin_paths), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
 
     def kill(self) -> None:
         self.proc.kill()
@@ -62,13 +64,17 @@ class RewardPool:
         module, name = fn.__module__, fn.__qualname__
         out, todo, busy = [FAILED] * len(items), list(range(len(items))), {}
         while todo or busy:
+            if not self._start_ready():
+                self.errors.append("reward workers failed to start (see the plugin files)")
+                return out
             for w in self.workers:
-                if w not in busy and todo:
+                if w.ready and w not in busy and todo:
                     k = todo.pop(0)
                     args, kwargs = items[k]
                     w.conn.send((module, name, args, kwargs))
                     busy[w] = (k, time.monotonic() + timeout)
-            ready = mp.connection.wait([w.conn for w in busy], timeout=0.05)
+            waiting = [w.conn for w in busy] + [w.conn for w in self.workers if not w.ready]
+            ready = mp.connection.wait(waiting, timeout=0.05)
             for w in list(busy):
                 k, deadline = busy[w]
                 if w.conn in ready:
@@ -88,6 +94,23 @@ class RewardPool:
                     del busy[w]
                     self._replace(w)
         return out
+
+    def _start_ready(self, attempts: int = 3) -> bool:
+        """Mark workers whose start-up finished; replace ones that died starting. False after `attempts` deaths
+        in a row (a plugin that cannot load): the calls then fail instead of looping."""
+        for w in list(self.workers):
+            while not w.ready and w.conn.poll():
+                try:
+                    w.ready = w.conn.recv()[0] == "ready"
+                except EOFError:
+                    self.start_failures = getattr(self, "start_failures", 0) + 1
+                    if self.start_failures > attempts:
+                        return False
+                    self._replace(w)
+                    break
+        if any(w.ready for w in self.workers):
+            self.start_failures = 0
+        return True
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
