@@ -247,9 +247,10 @@ def add_weight_routes(app, engine_client, gate: Gate, staging: Staging, expected
 def vllm_args(model: str, host: str, port: int, dtype: str, seed: int, max_model_len: int | None,
               max_num_seqs: int, extra: list):
     """vLLM's own CLI namespace: our worker extension, nothing from generation_config.json, processed logprobs."""
-    import torch
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from mgrpo.rollout.vllm_child import _cpu_scheduling
 
     argv = ["--model", model, "--host", host, "--port", str(port), "--generation-config", "vllm",
             "--logprobs-mode", "processed_logprobs", "--dtype", dtype, "--seed", str(seed),
@@ -257,10 +258,9 @@ def vllm_args(model: str, host: str, port: int, dtype: str, seed: int, max_model
             "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log", "--enforce-eager"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
-    if not torch.cuda.is_available():  # see vllm_child._cpu_scheduling: seeded prefills must not be chunked
-        with open(os.path.join(model, "config.json")) as f:
-            longest = max_model_len or json.load(f).get("max_position_embeddings", 4096)
-        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(longest), 8192))]
+    cpu = _cpu_scheduling({"model": model, "max_model_len": max_model_len})  # {} with CUDA
+    if cpu:  # seeded prefills must not be chunked on CPU (see vllm_child._cpu_scheduling)
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cpu["max_num_batched_tokens"])]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv + list(extra))
     validate_parsed_serve_args(args)
     return args

@@ -43,3 +43,12 @@ def trainer_logprobs(model_dir: str, prompt: list, response: list, temperature: 
     s = Sample(prompt_ids=prompt, response_ids=response, loss_mask=[1] * len(response))
     mb = make_microbatches([s], 1, 0)[0]
     return actor.logprobs([mb])[0][mb["loss_mask"].bool()]
+
+
+def worst_diff(outs, requests, model_dir, temperature):
+    """Largest |engine - trainer| logprob over the returned tokens of every request."""
+    worst = 0.0
+    for r, o in zip(requests, outs):
+        ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
+        worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
+    return worst

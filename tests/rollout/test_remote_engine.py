@@ -20,12 +20,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 
 from mgrpo.rollout.remote_engine import RemoteEngine, RemoteEngineError
 from mgrpo.rollout.transport import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
-from engine_helpers import reqs, run, trainer_actor, trainer_logprobs
+from engine_helpers import reqs, run, trainer_actor, worst_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "test-token-" + "x" * 20
@@ -118,14 +117,6 @@ def push(engine, model_dir, bucket_bytes=1 << 20):
         return transport.send(items, version), version
     finally:
         transport.close()
-
-
-def worst_diff(outs, requests, model_dir, temperature):
-    worst = 0.0
-    for r, o in zip(requests, outs):
-        ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
-        worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
-    return worst
 
 
 def test_after_a_push_server_equals_trainer(single_rank, server, dirs):

@@ -21,7 +21,7 @@ import torch
 from mgrpo.rollout.transport import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
 from mgrpo.rollout.vllm_engine import VLLMEngine
-from engine_helpers import reqs, run, trainer_actor, trainer_logprobs
+from engine_helpers import reqs, run, trainer_actor, worst_diff
 from procs import group_alive
 
 T = 0.7
@@ -63,14 +63,6 @@ def push(engine, model_dir, items=None, **transport_kw):
         return transport.send(items, version), version
     finally:
         transport.close()
-
-
-def worst_diff(outs, requests, model_dir, temperature):
-    worst = 0.0
-    for r, o in zip(requests, outs):
-        ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
-        worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
-    return worst
 
 
 def test_after_a_push_engine_equals_trainer(single_rank, engine, dirs):
