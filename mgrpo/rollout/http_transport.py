@@ -1,8 +1,8 @@
 """HTTP bucket transport to remote rollout servers: each bucket is safetensors bytes (one flat uint8 tensor, the
-manifest in its metadata) streamed straight from the exported tensors: one pass hashes them (the manifest's
-sha256 covers payload and manifest, `mgrpo.resharding.bucket.digest`), a second sends the header and then each
-tensor's bytes, so no bucket is ever built in memory. The server checks the sha256 and returns it; the client
-compares. A version is applied only by the commit after the last bucket (the server pauses, loads everything,
+manifest in its metadata) streamed straight from the exported tensors in one pass that hashes each chunk as it
+goes and ends the body with the 64-hex-digit sha256 (over payload and manifest, `mgrpo.resharding.bucket.digest`)
+as a trailer, so no bucket is ever built in memory nor read twice. The server hashes as it receives, checks the
+trailer, and returns the digest; the client compares. A version is applied only by the commit after the last bucket (the server pauses, loads everything,
 checks completeness, resets its prefix cache, resumes).
 
 A failed commit is never retried blindly: the client asks the server which version it holds and what it has
@@ -21,9 +21,13 @@ import torch
 from mgrpo.resharding.bucket import _align, _dtype_name
 from mgrpo.rollout.transport import WeightSyncError
 
+TRAILER = 64  # the body ends with the hex sha256 of payload and manifest
+
 
 def bucket_header(items: list, version: int, index: int) -> tuple:
-    """(safetensors header bytes, payload length, offsets, manifest with sha256) for views `items`."""
+    """(safetensors header bytes, payload length, manifest) for views `items`. The manifest carries no sha256:
+    the digest over payload and manifest (`mgrpo.resharding.bucket.digest`) is computed while the body is sent
+    and follows it as a trailer (`bucket_body`), so no second pass over the bytes is needed on either side."""
     offsets, nbytes, total = [], [], 0
     for _, t in items:
         offsets.append(_align(total))
@@ -32,16 +36,24 @@ def bucket_header(items: list, version: int, index: int) -> tuple:
     manifest = dict(version=version, index=index, count=0, names=[n for n, _ in items],
                     dtypes=[_dtype_name(t.dtype) for _, t in items], shapes=[list(t.shape) for _, t in items],
                     offsets=offsets, nbytes=nbytes, sha256="")
-    h = hashlib.sha256(total.to_bytes(8, "little"))
-    for chunk in _payload(items, offsets, nbytes, total):
-        h.update(chunk)
-    h.update(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True,
-                        separators=(",", ":")).encode())
-    manifest["sha256"] = h.hexdigest()
     header = json.dumps({"__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
                          "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}}).encode()
     header += b" " * (-len(header) % 8)
     return len(header).to_bytes(8, "little") + header, total, manifest
+
+
+def bucket_body(items: list, header: bytes, total: int, manifest: dict, out: dict):
+    """The request body, streamed: the safetensors header, the payload (views of the tensors, hashed as they
+    go), then the 64-hex-digit sha256 trailer; `out["sha256"]` holds the digest once the body is through."""
+    h = hashlib.sha256(total.to_bytes(8, "little"))
+    yield header
+    for chunk in _payload(items, manifest["offsets"], manifest["nbytes"], total):
+        h.update(chunk)
+        yield chunk
+    h.update(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True,
+                        separators=(",", ":")).encode())
+    out["sha256"] = h.hexdigest()
+    yield out["sha256"].encode()
 
 
 def _payload(items: list, offsets: list, nbytes: list, total: int):
@@ -73,29 +85,30 @@ class HttpBucketTransport:
             self.conns[replica.name] = cls(u.hostname, u.port, timeout=self.timeout)
         return self.conns[replica.name]
 
-    def _request(self, replica, method: str, path: str, header: bytes = b"", parts=None, length: int = 0,
+    def _request(self, replica, method: str, path: str, parts=None, length: int = 0,
                  body: dict | None = None) -> dict:
-        """One request on the replica's kept-alive connection; `parts()` yields the body after `header`. A kept
+        """One request on the replica's kept-alive connection; `parts()` yields the streamed body. A kept
         connection the server has meanwhile closed is reopened once (PUT of a bucket and the commit's state
         check are idempotent; a commit is never resent here)."""
         reused = replica.name in self.conns
         try:
-            return self._send(replica, method, path, header, parts, length, body)
+            return self._send(replica, method, path, parts, length, body)
         except ConnectionError:
             if not reused or path.endswith("/commit"):
                 raise
-            return self._send(replica, method, path, header, parts, length, body)
+            return self._send(replica, method, path, parts, length, body)
 
-    def _send(self, replica, method, path, header, parts, length, body) -> dict:
+    def _send(self, replica, method, path, parts, length, body) -> dict:
         conn = self._conn(replica)
         try:
             conn.putrequest(method, path)
             conn.putheader("Authorization", f"Bearer {self.engine.token}")
             data = json.dumps(body).encode() if body is not None else None
             conn.putheader("Content-Type", "application/json" if data is not None else "application/octet-stream")
-            conn.putheader("Content-Length", str(len(data) if data is not None else len(header) + length))
+            conn.putheader("Content-Length", str(len(data) if data is not None else length))
             conn.endheaders()
-            conn.send(data if data is not None else header)
+            if data is not None:
+                conn.send(data)
             for chunk in parts() if parts else ():
                 conn.send(chunk)
             resp = conn.getresponse()
@@ -133,19 +146,19 @@ class HttpBucketTransport:
             if pending:
                 header, total, manifest = bucket_header(pending, version, index)
                 timing["export_s"] += time.perf_counter() - t
-                t = time.perf_counter()
+                t, sent = time.perf_counter(), {}
                 for replica in list(targets):
                     try:
-                        got = self._request(replica, "PUT", f"/mgrpo/weights/{version}/{index}", header,
-                                            lambda: _payload(pending, manifest["offsets"], manifest["nbytes"], total),
-                                            total)
-                        if got.get("sha256") != manifest["sha256"]:
+                        got = self._request(replica, "PUT", f"/mgrpo/weights/{version}/{index}",
+                                            lambda: bucket_body(pending, header, total, manifest, sent),
+                                            len(header) + total + TRAILER)
+                        if got.get("sha256") != sent.get("sha256"):
                             raise WeightSyncError(f"rollout server {replica.name} checked sha256 "
-                                                  f"{str(got.get('sha256'))[:12]}..., sent {manifest['sha256'][:12]}...")
+                                                  f"{str(got.get('sha256'))[:12]}..., sent {str(sent.get('sha256'))[:12]}...")
                     except (ConnectionError, WeightSyncError) as exc:
                         self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
                         targets.remove(replica)
-                digests.append(manifest["sha256"])
+                digests.append(sent.get("sha256"))
                 sent_bytes += total
                 timing["transfer_s"] += time.perf_counter() - t
                 pending, size, index = [], 0, index + 1

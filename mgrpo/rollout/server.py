@@ -6,8 +6,9 @@ a pure-ASGI middleware in front of the whole app wants `Authorization: Bearer TO
 on every path but `GET /health`, so no port serves any vLLM route unguarded, not even on loopback.
 
 mgrpo's routes (all guarded):
-    PUT  /mgrpo/weights/{version}/{index}   one bucket: safetensors bytes (payload + manifest), streamed into a
-                                            staging file; its sha256 is checked and returned
+    PUT  /mgrpo/weights/{version}/{index}   one bucket: safetensors bytes (payload + manifest) then their
+                                            sha256 as 64 hex digits, streamed into a staging file and hashed
+                                            as it arrives; the digest is checked and returned
     POST /mgrpo/weights/{version}/commit    {"count", "sha256": [...]}: pause generation (in-flight requests
                                             finish, new ones wait), load every staged bucket through the worker
                                             (complete, nothing unknown, shapes and dtypes), reset the prefix
@@ -19,9 +20,9 @@ Every generation response carries `x-mgrpo-weight-version`: the weights that pro
 # (no `from __future__ import annotations`: FastAPI reads the route signatures at runtime)
 
 import asyncio
+import hashlib
 import hmac
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -122,18 +123,65 @@ class Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def bucket_digest(path: str) -> str:
-    """The bucket's own sha256 check (payload + manifest, `mgrpo.resharding.bucket.digest`) over the staged file,
-    memory-mapped (no copy); raises BucketError naming what is wrong."""
+class StreamCheck:
+    """The sha256 of one bucket body computed as its chunks arrive (no second pass over the staged file): the
+    safetensors header is parsed by hand (JSON only) from the first bytes, the payload is hashed as it streams,
+    and the last 64 bytes are the sender's hex digest (`http_transport.bucket_body`), compared at the end."""
+
+    def __init__(self, size: int, trailer: int = 64):
+        self.file_size, self.trailer_size = size - trailer, trailer
+        self.head, self.trailer, self.pos, self.hash, self.manifest = b"", b"", 0, None, None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take the next chunk; return the part of it that belongs in the staged file."""
+        keep = chunk[: max(0, self.file_size - self.pos)]
+        self.trailer += chunk[len(keep):]
+        if self.hash is None:
+            self.head += keep
+            if len(self.head) >= 8 and len(self.head) >= 8 + int.from_bytes(self.head[:8], "little"):
+                n, self.manifest, start, end = parse_header(self.head)
+                if 8 + n + end != self.file_size:
+                    from mgrpo.resharding.bucket import BucketError
+                    raise BucketError(f"the safetensors header says {8 + n + end} bytes, the body carries "
+                                      f"{self.file_size} before its sha256 trailer")
+                self.hash = hashlib.sha256((end - start).to_bytes(8, "little"))
+                self.hash.update(memoryview(self.head)[8 + n:])
+                self.head = b""
+        else:
+            self.hash.update(keep)
+        self.pos += len(keep)
+        return keep
+
+    def finish(self) -> str:
+        """The digest checked against the trailer; raises BucketError naming what is wrong."""
+        from mgrpo.resharding.bucket import BucketError
+
+        if self.hash is None or len(self.trailer) != self.trailer_size:
+            raise BucketError("the body ends before its safetensors header and sha256 trailer are complete")
+        m = {k: v for k, v in self.manifest.items() if k != "sha256"}
+        self.hash.update(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
+        got, sent = self.hash.hexdigest(), self.trailer.decode("ascii", "replace")
+        if not hmac.compare_digest(got, sent):
+            raise BucketError(f"sha256 mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
+                              f"{got[:12]}...); the bucket was altered or cut in transit, resend it")
+        return got
+
+
+def parse_header(buf) -> tuple:
+    """(header length n, manifest, payload start, payload end) from a bucket's first 8 + n bytes: JSON only,
+    never unpickled; raises BucketError when they are not a bucket's."""
     from mgrpo.resharding.bucket import BucketError
 
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
-        bucket = read_bucket(m)
-        if not bucket.manifest.get("sha256"):
-            raise BucketError(f"{bucket.label}: carries no sha256; a bucket sent over HTTP must")
-        got = bucket.verify()
-        del bucket
-        return got
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8: 8 + n]))
+        manifest = json.loads(header["__metadata__"]["mgrpo_manifest"])
+        start, end = header["flat"]["data_offsets"]
+        assert header["flat"]["dtype"] == "U8" and 0 <= start <= end, "not one flat uint8 tensor"
+    except Exception as exc:
+        raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or "
+                          f"not a bucket") from None
+    return n, manifest, start, end
 
 
 def read_bucket(buf):
@@ -143,15 +191,10 @@ def read_bucket(buf):
 
     from mgrpo.resharding.bucket import Bucket, BucketError
 
-    try:
-        n = int.from_bytes(buf[:8], "little")
-        header = json.loads(bytes(buf[8: 8 + n]))
-        manifest = json.loads(header["__metadata__"]["mgrpo_manifest"])
-        start, end = header["flat"]["data_offsets"]
-        assert header["flat"]["dtype"] == "U8" and 8 + n + end == len(buf), "sizes do not add up"
-    except Exception as exc:
-        raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or "
-                          f"not a bucket") from None
+    n, manifest, start, end = parse_header(buf)
+    if 8 + n + end != len(buf):
+        raise BucketError(f"cannot decode weight bucket: {len(buf)} bytes, its header says {8 + n + end}; the "
+                          f"bytes are truncated")
     flat = torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n + start, count=end - start) if end > start \
         else torch.empty(0, dtype=torch.uint8)
     return Bucket(flat, manifest)
@@ -175,19 +218,18 @@ def add_weight_routes(app, engine_client, gate: Gate, staging: Staging, expected
         if staging.version != version:
             staging.reset(version)  # a new version: whatever was staged for another one is dropped
         path = os.path.join(staging.dir, f"v{version}-{index:06d}.bucket")
-        got = 0
-        with open(path, "wb") as f:
-            async for chunk in request.stream():
-                got += len(chunk)
-                if got > size:
-                    break
-                f.write(chunk)
-        if got != size:
-            os.unlink(path)
-            return error(400, f"bucket {index} of version {version}: {got} bytes arrived, Content-Length {size}")
+        got, check = 0, StreamCheck(size)
         try:
-            sha = await asyncio.to_thread(bucket_digest, path)
-        except ValueError as exc:
+            with open(path, "wb") as f:
+                async for chunk in request.stream():
+                    got += len(chunk)
+                    if got > size:
+                        break
+                    f.write(check.feed(chunk))
+            if got != size:
+                raise ValueError(f"{got} bytes arrived, Content-Length {size}")
+            sha = check.finish()
+        except ValueError as exc:  # BucketError is one
             os.unlink(path)
             return error(400, f"bucket {index} of version {version} rejected, nothing staged: {exc}")
         staging.buckets[index] = (path, sha)

@@ -6,6 +6,7 @@ it serves again. Two replicas train the tiny task through the launcher.
 
 One server serves the module (a start costs ~40 s on 2 cores); the fault tests restart it on the same port.
 """
+import http.client as httpclient
 import itertools
 import json
 import os
@@ -167,31 +168,30 @@ def test_every_route_but_health_wants_the_token(server):
 
 def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, server, dirs):
     from mgrpo.resharding.export import export_hf
-    from mgrpo.rollout import http_transport
 
     engine = connect(server, dirs)
     _, good = push(engine, dirs["other"])
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     before = run(engine, reqs(seed=5), sp)
-    original, calls = http_transport._payload, itertools.count()
+    original, flipped = httpclient.HTTPConnection.send, []
 
-    def flipped(items, offsets, nbytes, total):
-        """The first bucket's payload is hashed as it is, then sent with one bit flipped."""
-        tamper = next(calls) == 1
-        for i, chunk in enumerate(original(items, offsets, nbytes, total)):
-            if tamper and i == 0:
-                chunk = bytearray(chunk)
-                chunk[7] ^= 0x40
-            yield bytes(chunk)
+    def send(conn, data):
+        """The first payload chunk goes out with one bit flipped after the client hashed it (in transit)."""
+        if not flipped and isinstance(data, memoryview) and data.nbytes > 64:
+            data = bytearray(data)
+            data[7] ^= 0x40
+            flipped.append(True)
+        return original(conn, data)
 
-    http_transport._payload = flipped
+    items = export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)
+    transport = engine.weight_transport(1 << 20)
+    httpclient.HTTPConnection.send = send
     try:
-        items = export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)
-        transport = engine.weight_transport(1 << 20)
-        with pytest.raises(WeightSyncError, match="sha256"):
+        with pytest.raises(WeightSyncError, match="sha256 mismatch"):
             transport.send(items, next(_versions))
     finally:
-        http_transport._payload = original
+        httpclient.HTTPConnection.send = original
+    assert flipped
     state = json.loads(http(server.url + "/mgrpo/version")[1])
     assert state["version"] == good
     engine.rejoin_candidates()  # the client excluded it; it answers again and still holds the good version
