@@ -119,7 +119,9 @@ class Actor:
         mixed-precision optimizer only checks with an fp16 loss scaler: a NaN would reach the weights."""
         import torch.distributed as dist
 
-        total, device = torch.zeros((), dtype=torch.float64), None
+        from mgrpo.parallel.device import device as trainer_device
+
+        total, device = torch.zeros((), dtype=torch.float64), trainer_device()
         for chunk in self.chunks:
             for p in chunk.parameters():
                 g = getattr(p, "main_grad", None)

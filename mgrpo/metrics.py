@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from mgrpo.parallel.device import cpu_group
+
 # loss-side names (actor.train_step stats) -> logged names
 _ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
           "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
@@ -34,7 +36,7 @@ def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
     tokens = metrics.get("tokens", 0.0) if report else 0.0
     vec = torch.tensor([metrics.get(k, 0.0) * tokens if report else 0.0 for k in mean_keys]
                        + [metrics.get(k, 0.0) if report else 0.0 for k in sum_keys] + [tokens], dtype=torch.float64)
-    dist.all_reduce(vec)
+    dist.all_reduce(vec, group=cpu_group())
     out = {k: float(v) / max(float(vec[-1]), 1.0) for k, v in zip(mean_keys, vec)}
     out.update({k: float(v) for k, v in zip(sum_keys, vec[len(mean_keys):])})
     return out

@@ -19,6 +19,7 @@ from megatron.core import parallel_state as mpu
 from mgrpo.data.microbatch import dp_shard, make_microbatches, set_advantages
 from mgrpo.loss.advantages import valid_mask
 from mgrpo.loss.aggregation import token_weights
+from mgrpo.parallel.device import device
 
 log = logging.getLogger("mgrpo.batching")
 
@@ -105,7 +106,7 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -
         mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
                                 cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
                                 token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
-                                cp_size=cfg.parallel.cp)
+                                cp_size=cfg.parallel.cp, device=device())
         minis.append(MiniBatch(mbs, [idx[i] for i in local]))
     needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0)
     return GenerationBatch(samples, minis, rewards, valid, torch.tensor([s.group_id for s in samples]),
@@ -117,6 +118,7 @@ def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
     import torch.distributed as dist
 
     from mgrpo.metrics import holds_metrics
+    from mgrpo.parallel.device import cpu_group
 
     out = torch.zeros(len(batch.samples), dtype=torch.float64)
     if holds_metrics():
@@ -125,5 +127,5 @@ def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
                 kl = ((mb["old_logp"] - mb["ref_logp"]) * mb["loss_mask"]).sum(-1)
                 for row, idx in enumerate(mb["sample_index"]):
                     out[mini.local[idx]] = float(kl[row])
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=cpu_group())
     return out

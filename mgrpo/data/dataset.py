@@ -37,8 +37,15 @@ class PromptSet:
 
 
 def open_table(path: str, field_name: str = "data.path"):
-    """The file or folder as a `datasets.Dataset` (one split), or DatasetError naming the field and the fix."""
-    import datasets
+    """The file or folder as a `datasets.Dataset` (one split), or DatasetError naming the field and the fix.
+    Without the `datasets` package (e.g. a bare GPU image) a .jsonl file is still read, with the json module."""
+    try:
+        import datasets
+    except ImportError:
+        if os.path.exists(path) and path.lower().endswith(".jsonl"):
+            return _read_jsonl(path, field_name)
+        raise DatasetError(f"{field_name}={path!r}: reading it needs the `datasets` package (pip install "
+                           f"datasets); without it only .jsonl files are read") from None
 
     datasets.disable_progress_bars()
     if not os.path.exists(path):
@@ -63,6 +70,30 @@ def open_table(path: str, field_name: str = "data.path"):
         text = " ".join(str(exc).split())[:300]
         raise DatasetError(f"{field_name}={path!r}: cannot be read as a dataset ({type(exc).__name__}: {text}); "
                            f"check the file's format") from None
+
+
+class _Rows(list):
+    column_names: list
+
+
+def _read_jsonl(path: str, field_name: str) -> _Rows:
+    """Rows of a JSON-lines file with every column present in every row (None where a row lacks it), as
+    `datasets` gives them."""
+    import json
+
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as exc:
+                    raise DatasetError(f"{field_name}={path!r}: line {i + 1} is not JSON ({exc}); check the "
+                                       f"file's format") from None
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    table = _Rows({k: r.get(k) for k in columns} for r in rows)
+    table.column_names = columns
+    return table
 
 
 def row_messages(row: dict, prompt_key: str, messages_key: str) -> tuple:

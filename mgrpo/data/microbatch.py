@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from mgrpo.parallel.device import to_device
+
 IGNORE_INDEX = -100
 
 
@@ -19,7 +21,7 @@ SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
                       pad_to_multiple: int = 1, same_length: bool = False, token_weights=None,
-                      cp_rank: int = 0, cp_size: int = 1) -> list:
+                      cp_rank: int = 0, cp_size: int = 1, device=None) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
     loss_mask [b, L] aligned with the logits, advantages, rollout_logp, has_rollout (0 for samples whose
     rollout_logprobs are None: their rollout_logp is not zeros to be trusted) and token_weight [b, L] (the
@@ -29,6 +31,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
     shape exchange of variable-length micro-batches under the interleaved schedule, so PP > 1 uses it.
     With cp_size > 1 the length is padded to a multiple of 2 x cp and every per-token tensor keeps only this
     rank's zigzag chunks (targets are shifted on the full sequence first); megatron slices RoPE itself.
+    Built in host memory, then each micro-batch moves to `device` in one go (the trainer's `device()`).
     """
     if cp_size > 1:
         pad_to_multiple = pad_to_multiple * 2 * cp_size
@@ -75,7 +78,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
             for key in SEQ_KEYS:
                 mb[key] = split_for_cp(mb[key], 1, cp_rank, cp_size)
             mb["attention_mask"] = None  # CP attention masks causally by global position
-        out.append(mb)
+        out.append(mb if device is None else to_device(mb, device))
     return out
 
 

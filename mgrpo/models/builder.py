@@ -10,12 +10,13 @@ import torch.nn.functional as F
 
 from mgrpo.models.hf_config import ModelInfo, read_model_info
 from mgrpo.models.registry import get_family
+from mgrpo.parallel.device import on_cuda
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def have_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
+    if not on_cuda():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -48,9 +49,9 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp, sequence_parallel=bool(parallel.sp),
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True, init_method_std=0.02,
+        use_cpu_initialization=not on_cuda(), perform_initialization=True, init_method_std=0.02,
         variable_seq_lengths=False,  # PP micro-batches share one length (see data/microbatch.py)
-        batch_p2p_comm=(torch.cuda.is_available() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
+        batch_p2p_comm=(on_cuda() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -1,4 +1,5 @@
-"""Start torch.distributed from torchrun or Slurm variables (nccl with CUDA, gloo without)."""
+"""Start torch.distributed from torchrun or Slurm variables (nccl with CUDA, gloo without) and choose the one
+device (`mgrpo.parallel.device`)."""
 from __future__ import annotations
 
 import os
@@ -75,4 +76,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
 
     dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size,
                             timeout=timedelta(minutes=timeout_minutes))
+    from mgrpo.parallel.device import make_cpu_group, set_device
+
+    if backend == "nccl":  # model tensors on this rank's GPU; CPU objects over a gloo side group
+        set_device(f"cuda:{denv.local_rank}", make_cpu_group())
+    else:
+        set_device("cpu")
     return denv

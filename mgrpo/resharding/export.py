@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from mgrpo.parallel.device import cpu_group
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.resharding.bucket import Bucket, pack_bucket
 from mgrpo.resharding.name_map import chunk_mappings
@@ -26,7 +27,7 @@ def _coords() -> torch.Tensor:
     mine = torch.tensor([mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
                          mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank()])
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=cpu_group())
     return torch.stack(out)
 
 
@@ -90,21 +91,22 @@ def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKE
 
 
 def _send_bucket(bucket: Bucket, dst: int) -> None:
-    header = json.dumps(bucket.manifest).encode()
-    dist.send(torch.tensor([len(header), bucket.flat.numel()], dtype=torch.long), dst)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst)
+    """Buckets are packed in host memory (`pack_bucket`) and go to the engine's rank over the CPU group."""
+    header, g = json.dumps(bucket.manifest).encode(), cpu_group()
+    dist.send(torch.tensor([len(header), bucket.flat.numel()], dtype=torch.long), dst, group=g)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=g)
     if bucket.flat.numel():
-        dist.send(bucket.flat, dst)
+        dist.send(bucket.flat.cpu(), dst, group=g)
 
 
 def _recv_bucket(src: int) -> Bucket:
-    sizes = torch.zeros(2, dtype=torch.long)
-    dist.recv(sizes, src)
+    sizes, g = torch.zeros(2, dtype=torch.long), cpu_group()
+    dist.recv(sizes, src, group=g)
     raw = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    dist.recv(raw, src)
+    dist.recv(raw, src, group=g)
     flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
     if flat.numel():
-        dist.recv(flat, src)
+        dist.recv(flat, src, group=g)
     return Bucket(flat, json.loads(raw.numpy().tobytes().decode()))
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from mgrpo.parallel.device import device
 from mgrpo.resharding.bucket import ManifestCheck
 from mgrpo.resharding.bucket import _dtype_name as dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
@@ -46,10 +47,13 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int, dtype=torch.float32,
-                 max_num_seqs: int = 256):
+                 max_num_seqs: int = 256, device="cpu", model=None):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.device = torch.device(device)  # the trainer rank's device: the engine computes beside it
+        if model is None:  # `model`: an HF model already built (e.g. from a config, for a sync benchmark)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = model.to(self.device).eval()
         self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
         self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
@@ -67,6 +71,7 @@ class HFEngine:
         for i, r in enumerate(requests):  # left padding: every row's next token lands in the last column
             ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             mask[i, longest - len(r.prompt_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         gens = [request_generator(r.seed) for r in requests]
@@ -75,18 +80,20 @@ class HFEngine:
         for _ in range(sp.max_tokens):
             dist = processed_logprobs(out.logits[:, -1], sp.temperature, sp.top_k, sp.top_p)
             nxt = torch.full((b,), self.pad, dtype=torch.long)
+            probs = None if sp.temperature == 0 else dist.float().exp().cpu()  # seeded draws on the host
+            top = dist.argmax(-1).cpu() if sp.temperature == 0 else None
             for i in range(b):  # each row from its own stream; finished rows draw nothing
                 if done[i]:
                     continue
-                nxt[i] = dist[i].argmax() if sp.temperature == 0 else \
-                    torch.multinomial(dist[i].exp(), 1, generator=gens[i])[0]
+                nxt[i] = top[i] if probs is None else torch.multinomial(probs[i], 1, generator=gens[i])[0]
+            nxt = nxt.to(self.device)
             tokens.append(nxt)
             logps.append(dist.gather(-1, nxt[:, None])[:, 0])
             if not sp.ignore_eos:
-                done |= nxt == self.eos
+                done |= (nxt == self.eos).cpu()
                 if bool(done.all()):
                     break
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], 1)
             pos = pos[:, -1:] + 1
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                              past_key_values=out.past_key_values, use_cache=True)
@@ -134,7 +141,7 @@ class HFEngine:
     @torch.no_grad()
     def score(self, prompt: list, response: list, temperature: float = 1.0) -> torch.Tensor:
         """Teacher-forced logprobs of `response` after `prompt` (used to check weight sync)."""
-        ids = torch.tensor([prompt + response])
+        ids = torch.tensor([prompt + response], device=self.device)
         logits = self.model(ids).logits[0, len(prompt) - 1: -1].float()
         return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
 
@@ -153,4 +160,5 @@ class HFEngine:
 def _make_hf(cfg, model_dir: str, tokenizer) -> HFEngine:
     """The engine computes in the trainer's dtype (model.params_dtype), so weights arrive without a cast."""
     return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    dtype=getattr(torch, cfg.model.params_dtype), max_num_seqs=cfg.rollout.max_num_seqs)
+                    dtype=getattr(torch, cfg.model.params_dtype), max_num_seqs=cfg.rollout.max_num_seqs,
+                    device=device())

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mgrpo.data.dataset import encode_prompt
+from mgrpo.parallel.device import cpu_group
 from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams
 from mgrpo.schedulers.driver import fail_aborted
@@ -35,7 +36,7 @@ def engine_owners(placement: str) -> dict:
     mine = torch.tensor([mpu.get_data_parallel_rank(), int(mpu.get_pipeline_model_parallel_rank() == 0
                          and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0)])
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, mine)
+    dist.all_gather(table, mine, group=cpu_group())
     leaders = {int(t[0]): r for r, t in enumerate(table) if int(t[1])}
     return {0: 0} if placement == "rank0" else dict(sorted(leaders.items()))
 
@@ -177,10 +178,10 @@ def share_json(payload, owners: list) -> list:
     for src in owners:
         data = json.dumps(payload).encode() if me == src else b""
         size = torch.tensor([len(data)], dtype=torch.long)
-        dist.broadcast(size, src)
+        dist.broadcast(size, src, group=cpu_group())
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
             torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src)
+        dist.broadcast(buf, src, group=cpu_group())
         out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
     return out
 

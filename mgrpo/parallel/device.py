@@ -1,0 +1,108 @@
+"""One device decides where the trainer's tensors live, and which process group carries what.
+
+With CUDA the default group is nccl and takes only CUDA tensors: model tensors, micro-batches, advantages,
+logprobs and TP/PP/DP/CP collectives live on `device()`. CPU objects (sample bytes, the engine-owner table,
+metrics vectors, weight buckets bound for an engine) go over `cpu_group()`, a gloo group over the same ranks.
+Without CUDA both are gloo and `cpu_group()` is the default group, so the CPU path and the CUDA path are the
+same code.
+
+`checked_collectives()` makes that a test that can fail: it wraps torch.distributed's tensor collectives and
+raises `DevicePlacementError` when a tensor on the wrong device reaches one (a CPU tensor on a device group, a
+device tensor on the CPU group). With `device()` set to `meta` it stands in for CUDA on a CPU machine: meta
+tensors are checked and then not communicated (they hold no data), CPU tensors on the CPU group run for real.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+
+_state = {"device": torch.device("cpu"), "cpu_group": None}
+
+TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
+                      "reduce_scatter_tensor", "gather", "scatter", "reduce", "isend", "irecv")
+
+
+class DevicePlacementError(RuntimeError):
+    """A tensor reached a collective on the wrong device (it would fail or hang under nccl)."""
+
+
+def device() -> torch.device:
+    """Where model tensors, micro-batches and device collectives live on this rank."""
+    return _state["device"]
+
+
+def on_cuda() -> bool:
+    return device().type == "cuda"
+
+
+def set_device(dev, cpu_group=None) -> None:
+    """Chosen once by `init_distributed` (cuda:LOCAL_RANK with nccl, else cpu); tests set `meta`."""
+    _state["device"], _state["cpu_group"] = torch.device(dev), cpu_group
+
+
+def cpu_group():
+    """The gloo group for CPU tensors: None (the default group) when the default group is itself gloo."""
+    return _state["cpu_group"]
+
+
+def make_cpu_group():
+    """A gloo group over every rank, for CPU objects beside an nccl default group (all ranks must call it)."""
+    return dist.new_group(backend="gloo")
+
+
+def to_device(obj, dev=None):
+    """Tensors inside dicts, lists and tuples moved to `dev` (default `device()`); everything else as it is."""
+    dev = device() if dev is None else torch.device(dev)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev, non_blocking=dev.type == "cuda")
+    if isinstance(obj, dict):
+        return {k: to_device(v, dev) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
+        return type(obj)(to_device(v, dev) for v in obj)
+    return obj
+
+
+def _tensors(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def _checked(name: str, original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        group = kwargs.get("group")
+        on_cpu_group = cpu_group() is not None and group is cpu_group()
+        want = "cpu" if on_cpu_group or device().type == "cpu" else device().type
+        tensors = list(_tensors(args, kwargs))
+        for t in tensors:
+            if t.device.type != want:
+                where = "the CPU (gloo) group" if on_cpu_group else "a device group"
+                raise DevicePlacementError(f"torch.distributed.{name} got a {t.device.type} tensor "
+                                           f"{tuple(t.shape)} {t.dtype} on {where}; expected {want} (CPU objects "
+                                           f"go over mgrpo.parallel.device.cpu_group(), model tensors on device())")
+        if tensors and all(t.device.type == "meta" for t in tensors):
+            return None  # the stand-in for CUDA holds no data: placement checked, nothing to send
+        return original(*args, **kwargs)
+
+    call.mgrpo_checked = True
+    return call
+
+
+@contextlib.contextmanager
+def checked_collectives():
+    """Raise DevicePlacementError when a collective gets a tensor on the wrong device (see module doc)."""
+    saved = {n: getattr(dist, n) for n in TENSOR_COLLECTIVES if hasattr(dist, n)}
+    try:
+        for n, f in saved.items():
+            if not getattr(f, "mgrpo_checked", False):
+                setattr(dist, n, _checked(n, f))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
