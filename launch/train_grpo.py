@@ -2,6 +2,7 @@
 
     python launch/train_grpo.py --config examples/tiny_cpu.yaml
     torchrun --nproc-per-node 4 launch/train_grpo.py --config examples/tiny_cpu.yaml --tp 2 --pp 2
+    python launch/train_grpo.py --config examples/qwen72b.yaml --tp 8 --pp 2 --print-plan --world-size 16
 
 Every config, model and dataset error is reported (one line each) before any process group starts.
 """
@@ -25,6 +26,7 @@ from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_
 from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
+from mgrpo.plan import take_plan_flags  # noqa: E402
 
 
 def prepare_tiny_model(cfg, rank: int) -> None:
@@ -72,7 +74,17 @@ def check(argv: list):
     cfg = load_config(argv=argv)
     denv = read_dist_env()
     prepare_tiny_model(cfg, denv.rank)
-    errors = validate_layout(cfg, read_model_info(cfg.model.path), denv.world_size, torch.cuda.is_available())
+    info = read_model_info(cfg.model.path)
+    if not torch.cuda.is_available():
+        from mgrpo.plan import cpu_memory_problem
+
+        problem = cpu_memory_problem(cfg, info, int(os.environ.get("LOCAL_WORLD_SIZE", denv.world_size)))
+        if problem:
+            raise ConfigError([problem])
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg.model.path)):
+        raise ModelConfigError(f"model.path={cfg.model.path!r} holds config.json but no weights (*.safetensors); "
+                               f"point --model.path at the downloaded model folder")
+    errors = validate_layout(cfg, info, denv.world_size, torch.cuda.is_available())
     if errors:
         raise ConfigError(errors)
     if cfg.checkpoint.resume:  # a complete checkpoint of this model, and a run that may continue it
@@ -87,6 +99,12 @@ def main(argv: list) -> int:
     from mgrpo.resume import ResumeError  # imported here: worker processes spawned later re-import this module
 
     try:
+        argv, plan = take_plan_flags(argv)
+        if plan["print"]:  # the layout, parameters and memory per rank of this launch; no weights, no GPU
+            from mgrpo.plan import print_plan
+
+            print_plan(argv, plan["world"], plan["attention"])
+            return 0
         cfg, denv, data = check(argv)
     except (ConfigError, ModelConfigError, DatasetError, ResumeError) as exc:
         if read_dist_env().rank == 0:

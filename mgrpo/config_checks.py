@@ -127,6 +127,9 @@ def check_algorithm_numbers(a) -> list:
 
 
 def _check_path(value: str, name: str) -> list:
+    if "/path/to/" in value and not os.path.exists(value):
+        return [f"{name}={value!r} is the example's placeholder: prepare the file (the example's header says how) "
+                f"and pass --{name} FILE"]
     if not os.path.exists(value):
         return [f"{name}={value!r}: not found; check the path (relative paths are from {os.getcwd()})"]
     return []

@@ -119,9 +119,9 @@ def add_hf_biases(spec, info: ModelInfo):
     return spec
 
 
-def llama3_inv_freq(rope, head_dim: int) -> torch.Tensor:
+def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     """Llama-3.1 frequency scaling with the config's own factors (megatron hard-codes them)."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
     high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -168,8 +168,8 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
             parallel_output=True, share_embeddings_and_output_weights=info.tie_word_embeddings,
             position_embedding_type="rope", rotary_base=info.rope.theta, vp_stage=stage)
         if info.rope.kind == "llama3" and getattr(chunk, "rotary_pos_emb", None) is not None:
-            chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(info.rope, info.head_dim).to(
-                chunk.rotary_pos_emb.inv_freq.device)
+            chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(info.rope, info.head_dim,
+                                                            device=chunk.rotary_pos_emb.inv_freq.device)
         chunk.mgrpo_info = info  # the HF facts export/load need (vocab size, family)
         chunks.append(chunk)
     return chunks

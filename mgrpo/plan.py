@@ -1,0 +1,307 @@
+"""`--print-plan`: what a launch would do, without loading weights or touching a GPU. The parallel layout (which
+global ranks form each TP/PP/DP/CP group, by megatron's own RankGenerator and order), the batch arithmetic,
+parameters per rank and a per-rank memory estimate, then exit 0.
+
+Parameters are counted on the model megatron itself builds for each pipeline stage, on the `meta` device, under
+torch's fake process group (every rank of a 16-rank plan in one process, in seconds). "Unique" parameters are the
+ones a rank is the owner of: its TP shard of sharded weights without vocabulary padding, replicated weights (norms)
+on TP rank 0 only, nothing on DP/CP replicas, nothing for a tied output layer's copy on the last stage; summed over
+ranks they equal the HF model's count.
+
+The memory estimate (`memory_estimate`) is per rank, in bytes: weights, gradients (megatron's fp32 grad buffer),
+Adam state (with and without the distributed optimizer), activations of the micro-batches a pipeline stage holds
+at once (1F1B) at the configured micro-batch and sequence length, and the logits with the fused kernel. Checked
+against measured peak RSS on CPU by benchmarks/memory_plan.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+@dataclass
+class StageParams:
+    """One pipeline rank's parameters as built (TP rank 0 stands for its TP group: same shapes)."""
+    held: int = 0  # on this rank, vocabulary padding included (what memory holds)
+    sharded: int = 0  # TP-sharded, padding excluded, this rank's share
+    replicated: int = 0  # same on every TP rank (norms); counted once per TP group
+    tied_copy: int = 0  # the last stage's copy of a tied embedding (PP > 1)
+    vocab_rows: list = field(default_factory=list)  # (local rows, hidden) of each vocab-parallel matrix
+    layers: int = 0
+
+
+def rank_groups(tp: int, pp: int, cp: int, dp: int) -> dict:
+    """{'tp'|'pp'|'dp'|'cp'|'dp-cp': [[global ranks], ...]} exactly as megatron's initialize_model_parallel forms
+    them (RankGenerator, order tp-cp-ep-dp-pp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    return {k: gen.get_ranks(k) for k in ("tp", "pp", "dp", "cp", "dp-cp")}
+
+
+def coords(groups: dict, world: int) -> list:
+    """[(pp, tp, dp, cp) rank of every global rank]."""
+    out = [[0, 0, 0, 0] for _ in range(world)]
+    for axis, name in enumerate(("pp", "tp", "dp", "cp")):
+        for group in groups[name]:
+            for i, r in enumerate(group):
+                out[r][axis] = i
+    return [tuple(c) for c in out]
+
+
+def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
+    """Build `rank`'s chunks on meta under a fake process group of `world` ranks; count their parameters."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mgrpo.models.builder import build_model
+    from mgrpo.parallel.cpu_shims import apply_cpu_shims
+    from mgrpo.parallel.pipeline import unwrap
+
+    apply_cpu_shims()  # megatron asks for CUDA RNG state and devices while building; none is touched
+    p = cfg.parallel
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                      virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
+                                      context_parallel_size=p.cp, create_gloo_process_groups=False)
+        with torch.device("meta"):
+            chunks = build_model(model_dir, p, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
+                                 seed=cfg.train.seed)
+        out = StageParams()
+        for chunk in chunks:
+            model = unwrap(chunk)
+            out.layers += len(model.decoder.layers)
+            for name, param in model.named_parameters():
+                n = param.numel()
+                out.held += n
+                if name == "output_layer.weight" and model.share_embeddings_and_output_weights \
+                        and not model.pre_process:
+                    out.tied_copy += n
+                elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    out.vocab_rows.append((param.shape[0], param.shape[1]))
+                elif getattr(param, "tensor_model_parallel", False):
+                    out.sharded += n
+                else:
+                    out.replicated += n
+        return out
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def vocab_share(local_rows: int, tp_rank: int, vocab: int) -> int:
+    """Rows of a vocab-parallel shard that are real tokens (the padding sits at the end of the last shards)."""
+    start = tp_rank * local_rows
+    return max(0, min(vocab, start + local_rows) - start)
+
+
+def unique_params(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, vocab: int) -> int:
+    if dp_rank or cp_rank:
+        return 0
+    rows = sum(vocab_share(r, tp_rank, vocab) * h for r, h in stage.vocab_rows)
+    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0)
+
+
+def plan_seq_len(cfg) -> int:
+    """Tokens per sample the estimate assumes: the longest prompt allowed (data.max_prompt_length, else 512)
+    plus rollout.max_tokens."""
+    return (cfg.data.max_prompt_length or 512) + cfg.rollout.max_tokens
+
+
+ATTENTION = {"flash": "fused attention (TE/flash on GPU): no score matrix kept",
+             "local": "megatron's local attention (CPU): fp32 scores and probabilities kept"}
+
+
+def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attention: str = "flash") -> float:
+    """Tensors one transformer layer keeps for backward (no recomputation), for `tokens` tokens of sequences of
+    length `seq` on this rank (CP: seq is the full length, the rank holds seq / cp queries)."""
+    h, d, a, kv, ffn = info.hidden_size, info.head_dim, info.num_attention_heads, info.num_key_value_heads, \
+        info.intermediate_size
+    t = p.tp
+    sp = t if p.sp else 1  # sequence parallel shards the norms' and residuals' tokens over TP
+    per_token = elem * (6 * h / sp + (2 * a + 3 * kv) * d / t + 3 * ffn / t)
+    if attention == "local":  # softmax in fp32: scores and probabilities per query token and head
+        scores = 4 * 2 * (a / t) * seq
+    else:  # flash attention keeps the softmax statistics only
+        scores = 4 * (a / t)
+    return tokens * (per_token + scores)
+
+
+def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_padded: int,
+                    attention: str = "flash") -> dict:
+    """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total."""
+    p, t = cfg.parallel, cfg.train
+    elem = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    held = stage.held
+    weights = held * elem
+    grads = held * 4  # DDP grad buffer in fp32 (grad_reduce_in_fp32)
+    adam = held * (8 + (4 if elem == 2 else 0))  # m, v (+ fp32 master weights with bf16)
+    adam_dist = adam / (dp * p.cp)
+    seq = plan_seq_len(cfg)
+    per_dp = max(1, cfg.rollout.prompts_per_step * cfg.rollout.n // max(t.steps_per_generation, 1) // dp)
+    mbs = min(t.micro_batch_size, per_dp)
+    micro_batches = math.ceil(per_dp / mbs)
+    inflight = min(p.pp - pp_rank, micro_batches) if p.pp > 1 else 1  # 1F1B warm-up depth
+    if p.vpp and p.vpp > 1:
+        inflight = min(micro_batches * p.vpp, inflight * p.vpp)  # interleaved: more chunks in flight
+    tokens = mbs * seq / p.cp
+    layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, attention) * stage.layers / (p.vpp or 1)
+    activations = layers_act * inflight
+    last = pp_rank == p.pp - 1
+    # logits [mbs, seq/cp, V/tp] in the model dtype, kept for backward, plus their fp32 gradient while it runs
+    logits = tokens * vocab_padded / p.tp * (elem + 4) if last else 0.0
+    optimizer = adam_dist if t.use_distributed_optimizer else adam
+    total = weights + grads + optimizer + activations + logits
+    return dict(weights=weights, grads=grads, optimizer=adam, optimizer_distributed=adam_dist,
+                activations=activations, logits=logits, total=total, seq=seq, micro_batch=mbs,
+                micro_batches=micro_batches, inflight=inflight)
+
+
+def build_plan(cfg, world: int, attention: str = "flash") -> dict:
+    """Everything print_plan prints, as data (tests read it)."""
+    from mgrpo.models.builder import padded_vocab_size
+    from mgrpo.models.hf_config import read_model_info
+
+    p = cfg.parallel
+    info = read_model_info(cfg.model.path)
+    mp = p.tp * p.pp * p.cp
+    dp = world // mp
+    groups = rank_groups(p.tp, p.pp, p.cp, dp)
+    where = coords(groups, world)
+    stages = {}
+    for stage in range(p.pp):
+        rank = next(r for r, c in enumerate(where) if c == (stage, 0, 0, 0))
+        stages[stage] = stage_params(cfg, cfg.model.path, world, rank)
+    vocab_padded = padded_vocab_size(info.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp)
+    ranks = []
+    for r, (pp_rank, tp_rank, dp_rank, cp_rank) in enumerate(where):
+        s = stages[pp_rank]
+        ranks.append(dict(rank=r, pp=pp_rank, tp=tp_rank, dp=dp_rank, cp=cp_rank, held=s.held,
+                          unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size),
+                          memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention)))
+    return dict(world=world, dp=dp, groups=groups, ranks=ranks, info=info, vocab_padded=vocab_padded, attention=attention,
+                unique_total=sum(r["unique"] for r in ranks))
+
+
+def _groups_line(name: str, groups: list, limit: int = 4) -> str:
+    shown = ", ".join(_ranks(g) for g in groups[:limit])
+    more = f", ... ({len(groups)} groups)" if len(groups) > limit else ""
+    return f"  {name:6} {len(groups)} x {len(groups[0])}: {shown}{more}"
+
+
+def _ranks(g: list) -> str:
+    if len(g) > 2 and g == list(range(g[0], g[0] + len(g))):
+        return f"[{g[0]}-{g[-1]}]"
+    return "[" + ",".join(map(str, g)) + "]"
+
+
+def format_plan(cfg, plan: dict) -> str:
+    p, t, r = cfg.parallel, cfg.train, cfg.rollout
+    info, world, dp = plan["info"], plan["world"], plan["dp"]
+    m0 = plan["ranks"][0]["memory"]
+    opt_steps = t.steps_per_generation * t.num_iterations
+    gb = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
+    lines = [f"plan: {os.path.basename(os.path.normpath(cfg.model.path))} ({info.family}, {info.num_hidden_layers} "
+             f"layers, hidden {info.hidden_size}, vocab {info.vocab_size} padded to {plan['vocab_padded']}) on "
+             f"{world} ranks, {cfg.model.params_dtype}",
+             f"layout: TP {p.tp} x PP {p.pp}{f' (VPP {p.vpp})' if p.vpp and p.vpp > 1 else ''} x CP {p.cp} x DP {dp}"
+             f"{', SP' if p.sp else ''} (megatron order tp-cp-ep-dp-pp)"]
+    for name in ("tp", "pp", "cp", "dp"):
+        lines.append(_groups_line(name.upper(), plan["groups"][name]))
+    samples = r.prompts_per_step * r.n
+    per_dp = samples // max(t.steps_per_generation, 1) // dp
+    lines += [f"batch: {r.prompts_per_step} prompts x {r.n} samples = {samples} per rollout step; "
+              f"{t.steps_per_generation} mini-batch(es) x {t.num_iterations} iteration(s) = {opt_steps} optimizer "
+              f"step(s) per rollout step, {opt_steps * t.steps} in {t.steps} steps",
+              f"       per DP rank: {per_dp} samples per mini-batch = {m0['micro_batches']} micro-batch(es) of "
+              f"{m0['micro_batch']}; up to {m0['seq']} tokens per sample (data.max_prompt_length or 512, + "
+              f"rollout.max_tokens {r.max_tokens})",
+              f"params: {plan['unique_total']:,} unique over all ranks (HF count; vocabulary padding and replicas "
+              f"excluded)",
+              f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
+              f"{ATTENTION[plan['attention']]}: --plan-attention):",
+              f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} {'params held':>14} {'unique':>14} "
+              f"{'weights':>8} {'grads':>8} {'adam':>8} {'adam/dist':>9} {'activ.':>8} {'logits':>8} {'total':>8}"]
+    rows = plan["ranks"]
+    if world > 32:  # one row per (pp, tp) class of the first replica
+        rows = [x for x in rows if x["dp"] == 0 and x["cp"] == 0]
+    for x in rows:
+        m = x["memory"]
+        lines.append(f"  {x['rank']:>4} {x['pp']:>3} {x['tp']:>3} {x['dp']:>3} {x['cp']:>3} {x['held']:>14,} "
+                     f"{x['unique']:>14,} {gb(m['weights'])} {gb(m['grads'])} {gb(m['optimizer'])} "
+                     f"{gb(m['optimizer_distributed']):>9} {gb(m['activations'])} {gb(m['logits'])} "
+                     f"{gb(m['total'])}")
+    peak = max(plan["ranks"], key=lambda x: x["memory"]["total"])
+    lines.append(f"largest: rank {peak['rank']} (pp {peak['pp']}) {peak['memory']['total'] / GiB:.2f} GiB "
+                 f"({'with' if t.use_distributed_optimizer else 'without'} the distributed optimizer, as configured)"
+                 f"; rollout engines not included")
+    return "\n".join(lines)
+
+
+def take_plan_flags(argv: list) -> tuple:
+    """(argv without the plan's flags, {"print": --print-plan given, "world": --world-size N or None,
+    "attention": --plan-attention flash|local})."""
+    from mgrpo.config import ConfigError
+
+    out, opts, i = [], {"print": False, "world": None, "attention": "flash"}, 0
+    while i < len(argv):
+        arg, key = argv[i], argv[i].split("=", 1)[0]
+        if arg == "--print-plan":
+            opts["print"] = True
+        elif key in ("--world-size", "--plan-attention"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            if key == "--world-size":
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError([f"--world-size {value!r}: give the number of ranks, e.g. --world-size 16"])
+                opts["world"] = int(value)
+            elif value not in ATTENTION:
+                raise ConfigError([f"--plan-attention {value!r}: use one of {', '.join(ATTENTION)}"])
+            else:
+                opts["attention"] = value
+        else:
+            out.append(arg)
+        i += 1
+    return out, opts
+
+
+def print_plan(argv: list, world: int | None, attention: str = "flash") -> None:
+    """The plan for `world` ranks (default: WORLD_SIZE from the launcher, else TP x PP x CP); raises ConfigError
+    or ModelConfigError with the same one-line errors as a real launch."""
+    from mgrpo.config import ConfigError, load_config, validate_layout
+    from mgrpo.models.hf_config import read_model_info
+
+    cfg = load_config(argv=argv, check_files=False)
+    info = read_model_info(cfg.model.path)
+    p = cfg.parallel
+    world = world or int(os.environ.get("WORLD_SIZE", 0)) or p.tp * p.pp * p.cp
+    errors = validate_layout(cfg, info, world, cuda=True)  # the plan is for the GPU job
+    if errors:
+        raise ConfigError(errors)
+    print(format_plan(cfg, build_plan(cfg, world, attention)), flush=True)
+
+
+def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:
+    """Without CUDA: one line when the ranks on this machine cannot hold their weights, gradients and Adam state
+    in its memory (a 72B config started on a laptop), instead of an out-of-memory kill minutes later."""
+    import psutil
+
+    p = cfg.parallel
+    h, d, L, f = info.hidden_size, info.head_dim, info.num_hidden_layers, info.intermediate_size
+    layer = h * d * (2 * info.num_attention_heads + 2 * info.num_key_value_heads) + 3 * h * f + 2 * h
+    total = info.vocab_size * h * (1 if info.tie_word_embeddings else 2) + L * layer + h
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    per_rank = total / (p.tp * p.pp) * ((2 if bf16 else 4) + 4 + 8 + (4 if bf16 else 0))  # weights, grads, Adam
+    need, have = per_rank * local_ranks, psutil.virtual_memory().total
+    if need <= have:
+        return None
+    return (f"no GPU here, and model.path={cfg.model.path!r} ({total / 1e9:.1f}B parameters) at TP{p.tp} x PP{p.pp} "
+            f"needs about {per_rank / GiB:.0f} GiB per rank for weights, gradients and Adam state, "
+            f"{need / GiB:.0f} GiB for the {local_ranks} rank(s) on this machine, which has {have / GiB:.0f} GiB; "
+            f"run it on GPUs (see --print-plan for the per-rank plan)")

@@ -1,0 +1,98 @@
+"""--print-plan: parameters summed over ranks equal HF's count for published shapes (meta device, fake process
+group, one process); layouts that do not divide give the launch's one-line errors; the 72B example plans for 16
+ranks and stops with one line when launched for real without a GPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, rope_theta=1e6,
+             max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+SHAPES = {  # the published config.json fields that decide the parameter count
+    "qwen2.5-7b": dict(QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-72b": dict(QWEN2, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192, rope_type="llama3")),
+    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                     tie_word_embeddings=False, attention_bias=False, hidden_act="silu"),
+}
+LAYOUTS = {"qwen2.5-7b": [(4, 2), (2, 1)],  # 28 heads: TP8 does not divide (tested below)
+           "qwen2.5-72b": [(8, 2), (2, 1)], "llama-3.1-8b": [(8, 2), (2, 1)], "qwen3-8b": [(8, 2), (2, 1)]}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plans")
+    for name, cfg in SHAPES.items():
+        os.makedirs(root / name)
+        (root / name / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def hf_count(model_dir) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())  # a tied lm_head is listed once
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_unique_parameters_over_ranks_equal_hf(configs, name):
+    from mgrpo.config import load_config
+    from mgrpo.plan import build_plan
+
+    want = hf_count(configs / name)
+    for tp, pp in LAYOUTS[name]:
+        world = tp * pp * (2 if pp == 1 else 1)  # TP2 plans with DP2: replicas must not count twice
+        cfg = load_config(argv=["--model.path", str(configs / name), "--tp", str(tp), "--pp", str(pp),
+                                "--model.params_dtype", "bfloat16"], check_files=False)
+        plan = build_plan(cfg, world)
+        assert plan["unique_total"] == want, (name, tp, pp, plan["unique_total"] - want)
+        held = {r["pp"]: r["held"] for r in plan["ranks"]}
+        assert sum(held.values()) * tp >= want  # padding and replicated norms only add
+        print(f"{name} TP{tp}xPP{pp} on {world} ranks: {plan['unique_total']:,} = HF {want:,}")
+
+
+def launch(*args, timeout=120):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "launch/train_grpo.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_72b_example_plans_16_ranks_and_stops_with_one_line_without_a_gpu():
+    proc = launch("--config", "examples/qwen72b.yaml", "--tp", "8", "--pp", "2", "--print-plan", "--world-size", "16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "layout: TP 8 x PP 2 x CP 1 x DP 1" in out and "TP     2 x 8: [0-7], [8-15]" in out
+    assert "72,706,203,648 unique" in out  # Qwen2.5-72B's published count
+    assert sum(1 for line in out.splitlines() if line.strip().split(" ")[0].isdigit()) == 16  # a row per rank
+    proc = launch("--config", "examples/qwen72b.yaml", "--data.path", "examples/data/tiny_prompts.jsonl")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "run it on GPUs" in lines[0], proc.stderr[-2000:]
+
+
+def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
+    from mgrpo.config import ConfigError, load_config
+    from mgrpo.plan import print_plan
+
+    with pytest.raises(ConfigError, match="parallel.tp=8 does not divide num_attention_heads=28 and "
+                                          "num_key_value_heads=4"):
+        print_plan(["--config", "examples/qwen72b.yaml", "--model.path", str(configs / "qwen2.5-7b")], 16)
+    with pytest.raises(ConfigError, match="world size 24 is not divisible by tp x pp x cp = 16"):
+        print_plan(["--config", "examples/qwen72b.yaml"], 24)
+    with pytest.raises(ConfigError, match=r"data.path='/path/to/gsm8k_train.jsonl' is the example's placeholder"):
+        load_config(os.path.join(ROOT, "examples", "gsm8k.yaml"))
