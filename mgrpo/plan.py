@@ -10,8 +10,9 @@ ranks they equal the HF model's count.
 
 The memory estimate (`memory_estimate`) is per rank, in bytes: weights, gradients (megatron's fp32 grad buffer),
 Adam state (with and without the distributed optimizer), activations of the micro-batches a pipeline stage holds
-at once (1F1B) at the configured micro-batch and sequence length, and the logits with the fused kernel. Checked
-against measured peak RSS on CPU by benchmarks/memory_plan.py.
+at once (1F1B) at the configured micro-batch and sequence length plus one layer's backward working set, the
+logits with the fused kernel, and a fixed runtime overhead. Checked against measured peak RSS on CPU by
+benchmarks/memory_plan.py (the working-set and overhead terms were added after its first run: calibrated there).
 """
 from __future__ import annotations
 
@@ -133,6 +134,19 @@ def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attent
     return tokens * (per_token + scores)
 
 
+def backward_working_set(info, p, tokens: int, seq: int, attention: str) -> float:
+    """What one layer's backward allocates on top of the saved tensors: with local attention the gradients of the
+    scores and probabilities and the recomputed mask (about three score matrices); with flash attention about one
+    layer's activations."""
+    if attention == "local":
+        return 3 * 4 * (info.num_attention_heads / p.tp) * seq * tokens
+    return activation_bytes_per_layer(info, p, tokens, seq, 2, attention)
+
+
+RUNTIME_OVERHEAD = 128 << 20  # allocator caching, communication buffers, thread stacks: about 100-200 MB per rank
+# on the CPU machines here (benchmarks/memory_plan.py); on a GPU add the CUDA context (~0.5 GB, outside torch)
+
+
 def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_padded: int,
                     attention: str = "flash") -> dict:
     """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total."""
@@ -152,14 +166,14 @@ def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_
         inflight = min(micro_batches * p.vpp, inflight * p.vpp)  # interleaved: more chunks in flight
     tokens = mbs * seq / p.cp
     layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, attention) * stage.layers / (p.vpp or 1)
-    activations = layers_act * inflight
+    activations = layers_act * inflight + backward_working_set(info, p, tokens, seq, attention)
     last = pp_rank == p.pp - 1
     # logits [mbs, seq/cp, V/tp] in the model dtype, kept for backward, plus their fp32 gradient while it runs
     logits = tokens * vocab_padded / p.tp * (elem + 4) if last else 0.0
     optimizer = adam_dist if t.use_distributed_optimizer else adam
-    total = weights + grads + optimizer + activations + logits
+    total = weights + grads + optimizer + activations + logits + RUNTIME_OVERHEAD
     return dict(weights=weights, grads=grads, optimizer=adam, optimizer_distributed=adam_dist,
-                activations=activations, logits=logits, total=total, seq=seq, micro_batch=mbs,
+                activations=activations, logits=logits, overhead=RUNTIME_OVERHEAD, total=total, seq=seq, micro_batch=mbs,
                 micro_batches=micro_batches, inflight=inflight)
 
 

@@ -3,7 +3,6 @@ device (`mgrpo.parallel.device`)."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 from dataclasses import dataclass
 
@@ -23,14 +22,12 @@ class DistEnv:
 
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm nodelist such as 'node[003-005,7],gpu1' -> 'node003'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    from mgrpo.parallel.slurm import SlurmPlanError, expand_nodelist
+
+    try:
+        return expand_nodelist(nodelist)[0]
+    except SlurmPlanError as exc:
+        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}: {exc}") from None
 
 
 def free_port() -> int:
