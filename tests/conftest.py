@@ -11,6 +11,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU machines")
     config.addinivalue_line("markers", "slow: multi-process launch")
+    config.addinivalue_line("markers", "slurm: needs a Slurm cluster (tests/slurm_single_node.sh); MGRPO_SLURM_TESTS=1")
 
 
 def pytest_collection_modifyitems(config, items):

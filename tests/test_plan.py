@@ -96,3 +96,14 @@ def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
         print_plan(["--config", "examples/qwen72b.yaml"], 24)
     with pytest.raises(ConfigError, match=r"data.path='/path/to/gsm8k_train.jsonl' is the example's placeholder"):
         load_config(os.path.join(ROOT, "examples", "gsm8k.yaml"))
+
+
+def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
+    """The tiny model at TP1 on a batch not used to choose the estimate's terms (benchmarks/memory_plan.py runs
+    the ~100M model and TP2 x PP2 as well)."""
+    proc = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--models", "tiny", "--layouts", "1x1",
+                           "--held-out"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    print(proc.stdout)
+    assert proc.stdout.strip().splitlines()[-1].endswith("within_30pct=1/1"), proc.stdout
