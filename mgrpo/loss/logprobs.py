@@ -270,7 +270,7 @@ def vocab_parallel_logprobs(
 
     tgt = targets.reshape(-1).to(device=logits_shard.device, dtype=torch.long)
     bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab_size))
-    if bool(bad.any()):  # the one sync
+    if tgt.device.type != "meta" and bool(bad.any()):  # the one sync (meta, a placement test's CUDA, has no data)
         bad_ids = tgt[bad]
         raise ValueError(
             f"target id {int(bad_ids[0])} is outside the vocabulary [0, {vocab_size}) "
