@@ -3,7 +3,7 @@ TP1 and TP2 x PP2 on CPU, each rank's peak RSS increase (from before the model i
 training step: weights, gradient buffers, Adam state, activations, logits) beside `mgrpo.plan.memory_estimate`
 for the same rank (megatron's local attention, as on CPU).
 
-    python benchmarks/memory_plan.py [--models tiny,100m] [--layouts 1x1,2x2]
+    python benchmarks/memory_plan.py [--models tiny,100m] [--layouts 1x1,2x2] [--batches calibration|held-out|quick]
 
 Ends with one line: result: worst_ratio=... within_30pct=N/M
 """
@@ -30,6 +30,8 @@ MODELS = {  # model shape, then the batch that makes activations count (seq = ma
              ["--rollout.prompts_per_step", "2", "--rollout.n", "4", "--train.micro_batch_size", "2",
               "--data.max_prompt_length", "192", "--rollout.max_tokens", "64"]),
 }
+QUICK = {"tiny": ["--rollout.prompts_per_step", "2", "--rollout.n", "4", "--train.micro_batch_size", "4",
+                  "--data.max_prompt_length", "600", "--rollout.max_tokens", "40"]}  # the suite's check, held out too
 HELD_OUT = {  # other batches, not looked at while the estimate's terms were chosen
     "tiny": ["--rollout.prompts_per_step", "4", "--rollout.n", "4", "--train.micro_batch_size", "4",
              "--data.max_prompt_length", "900", "--rollout.max_tokens", "124"],
@@ -113,7 +115,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,100m")
     ap.add_argument("--layouts", default="1x1,2x2")
-    ap.add_argument("--held-out", action="store_true", help="the HELD_OUT batches instead of the calibration ones")
+    ap.add_argument("--batches", default="calibration", choices=("calibration", "held-out", "quick"),
+                    help="the batches the terms were chosen on, others, or one small other batch (tiny only)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.worker:
@@ -124,7 +127,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for name in args.models.split(","):
             shape, extra = MODELS[name]
-            extra = HELD_OUT[name] if args.held_out else extra
+            extra = {"calibration": MODELS[name][1], "held-out": HELD_OUT.get(name),
+                     "quick": QUICK.get(name)}[args.batches]
+            if extra is None:
+                sys.exit(f"--batches {args.batches} has no batch for model {name}")
             model_dir = make_tiny_hf(os.path.join(root, name), seed=0, **shape)
             for lay in args.layouts.split(","):
                 layout = tuple(int(x) for x in lay.split("x"))
@@ -144,7 +150,7 @@ def main() -> None:
               f"{r['act']:9.0f} {r['measured']:12.0f} {r['built']:9.0f} {r['ratio']:9.2f}")
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     ok = sum(abs(r["ratio"] - 1) <= 0.3 for r in rows)
-    print(f"batches: {'held out' if args.held_out else 'calibration'}")
+    print(f"batches: {args.batches}")
     print(f"result: worst_ratio={worst['ratio']:.2f} within_30pct={ok}/{len(rows)}")
 
 

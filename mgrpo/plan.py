@@ -64,6 +64,9 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
     from mgrpo.parallel.cpu_shims import apply_cpu_shims
     from mgrpo.parallel.pipeline import unwrap
 
+    if dist.is_initialized():
+        raise RuntimeError("the plan builds under its own fake process group: run it in a process that has none "
+                           "(launch/train_grpo.py --print-plan)")
     apply_cpu_shims()  # megatron asks for CUDA RNG state and devices while building; none is touched
     p = cfg.parallel
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

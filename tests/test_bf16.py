@@ -2,9 +2,7 @@
 forward, fp32 master weights and fp32 gradients (DDP reduces in fp32), and the main job learns. Logprobs of the bf16
 forward are checked against a float64 log_softmax of HF's fp32 forward (tolerance 0.05 nats per token: bf16 keeps 8
 mantissa bits), and must differ from it (the negative control: the run really is bf16)."""
-import os
 
-import pytest
 import torch
 
 from mgrpo.data.microbatch import make_microbatches

@@ -40,30 +40,47 @@ def configs(tmp_path_factory):
     return root
 
 
-def hf_count(model_dir) -> int:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+COUNT = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from mgrpo.config import load_config
+from mgrpo.plan import build_plan
+root, layouts = sys.argv[1], json.loads(sys.argv[2])
+out = {}
+for name, lays in layouts.items():
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())  # a tied lm_head is listed once
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{root}/{name}"))
+    out[name] = {"hf": sum(p.numel() for p in hf.parameters()), "plans": []}  # a tied lm_head is listed once
+    for tp, pp in lays:
+        world = tp * pp * (2 if pp == 1 else 1)  # TP2 plans with DP2: replicas must not count twice
+        cfg = load_config(argv=["--model.path", f"{root}/{name}", "--tp", str(tp), "--pp", str(pp),
+                                "--model.params_dtype", "bfloat16"], check_files=False)
+        plan = build_plan(cfg, world)
+        held = sum({r["pp"]: r["held"] for r in plan["ranks"]}.values()) * tp
+        out[name]["plans"].append(dict(tp=tp, pp=pp, world=world, unique=plan["unique_total"], held=held))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def counts(configs):
+    """One process without a process group (the plan builds under torch's fake one): HF's count and each plan's."""
+    proc = subprocess.run([sys.executable, "-c", COUNT, str(configs), json.dumps(LAYOUTS)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_unique_parameters_over_ranks_equal_hf(configs, name):
-    from mgrpo.config import load_config
-    from mgrpo.plan import build_plan
-
-    want = hf_count(configs / name)
-    for tp, pp in LAYOUTS[name]:
-        world = tp * pp * (2 if pp == 1 else 1)  # TP2 plans with DP2: replicas must not count twice
-        cfg = load_config(argv=["--model.path", str(configs / name), "--tp", str(tp), "--pp", str(pp),
-                                "--model.params_dtype", "bfloat16"], check_files=False)
-        plan = build_plan(cfg, world)
-        assert plan["unique_total"] == want, (name, tp, pp, plan["unique_total"] - want)
-        held = {r["pp"]: r["held"] for r in plan["ranks"]}
-        assert sum(held.values()) * tp >= want  # padding and replicated norms only add
-        print(f"{name} TP{tp}xPP{pp} on {world} ranks: {plan['unique_total']:,} = HF {want:,}")
+def test_unique_parameters_over_ranks_equal_hf(counts, name):
+    want = counts[name]["hf"]
+    for p in counts[name]["plans"]:
+        assert p["unique"] == want, (name, p, p["unique"] - want)
+        assert p["held"] >= want  # padding and replicated norms only add
+        print(f"{name} TP{p['tp']}xPP{p['pp']} on {p['world']} ranks: {p['unique']:,} = HF {want:,}")
 
 
 def launch(*args, timeout=120):
@@ -102,7 +119,7 @@ def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
     """The tiny model at TP1 on a batch not used to choose the estimate's terms (benchmarks/memory_plan.py runs
     the ~100M model and TP2 x PP2 as well)."""
     proc = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--models", "tiny", "--layouts", "1x1",
-                           "--held-out"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--batches", "quick"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     print(proc.stdout)
