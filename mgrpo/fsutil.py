@@ -1,4 +1,4 @@
-"""Folder replacement that a kill at any instant cannot turn into 'nothing there'."""
+"""Folder replacement that a kill at any instant cannot turn into 'nothing there'; reading JSON-lines files."""
 from __future__ import annotations
 
 import ctypes
@@ -6,6 +6,29 @@ import os
 import shutil
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+class JsonlLineError(ValueError):
+    """Line `line` (1-based) of a JSON-lines file is not JSON; callers name the file and the fix."""
+
+    def __init__(self, line: int, reason: str):
+        super().__init__(f"line {line} is not JSON ({reason})")
+        self.line, self.reason = line, reason
+
+
+def read_jsonl(path: str) -> list:
+    """Every non-blank line of `path` as JSON; raises JsonlLineError at the first line that is not."""
+    import json
+
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as exc:
+                    raise JsonlLineError(i + 1, str(exc)) from None
+    return rows
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -8,10 +8,11 @@ Reads OUTPUT_DIR/metrics.jsonl; written at the end of every run (logging.report)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
+
+from mgrpo.fsutil import JsonlLineError, read_jsonl
 
 SMOOTHING = 0.6  # exponential moving average weight of the previous value (TensorBoard-style, light)
 TIME_PHASES = ["timing/rollout", "timing/old_logprob", "timing/ref_logprob", "timing/train", "timing/sync"]
@@ -42,14 +43,10 @@ def read_metrics(run_dir: str) -> list:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ReportError(f"{path}: not found; point at a run's logging.output_dir (it holds metrics.jsonl)")
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise ReportError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
+    try:
+        rows = read_jsonl(path)
+    except JsonlLineError as exc:
+        raise ReportError(f"{path}: line {exc.line} is not JSON; the file is damaged") from None
     if not rows:
         raise ReportError(f"{path}: no steps logged yet; run at least one step")
     return rows

@@ -79,17 +79,12 @@ class _Rows(list):
 def _read_jsonl(path: str, field_name: str) -> _Rows:
     """Rows of a JSON-lines file with every column present in every row (None where a row lacks it), as
     `datasets` gives them."""
-    import json
+    from mgrpo.fsutil import JsonlLineError, read_jsonl
 
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise DatasetError(f"{field_name}={path!r}: line {i + 1} is not JSON ({exc}); check the "
-                                       f"file's format") from None
+    try:
+        rows = read_jsonl(path)
+    except JsonlLineError as exc:
+        raise DatasetError(f"{field_name}={path!r}: {exc}; check the file's format") from None
     columns = list(dict.fromkeys(k for r in rows for k in r))
     table = _Rows({k: r.get(k) for k in columns} for r in rows)
     table.column_names = columns

@@ -52,3 +52,17 @@ def worst_diff(outs, requests, model_dir, temperature):
         ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
         worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
     return worst
+
+
+def diffs_after_push(engine, version, model_dir, temperature):
+    """Greedy and seeded sampling at `temperature` after a push of `model_dir`'s weights: every token carries
+    `version`; returns {label: largest |engine - trainer| logprob}."""
+    from mgrpo.rollout.types import SamplingParams
+
+    worst = {}
+    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
+                            (f"T={temperature}", SamplingParams(temperature=temperature, max_tokens=12), temperature)):
+        out = run(engine, reqs(seed=3), sp)
+        assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
+        worst[label] = worst_diff(out, reqs(seed=3), model_dir, temp)
+    return worst

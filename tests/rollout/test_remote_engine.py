@@ -25,7 +25,7 @@ import pytest
 from mgrpo.rollout.remote_engine import RemoteEngine, RemoteEngineError
 from mgrpo.rollout.transport import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
-from engine_helpers import reqs, run, trainer_actor, worst_diff
+from engine_helpers import diffs_after_push, reqs, run, trainer_actor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "test-token-" + "x" * 20
@@ -126,12 +126,7 @@ def test_after_a_push_server_equals_trainer(single_rank, server, dirs):
     engine = connect(server, dirs)
     receipt, version = push(engine, dirs["new"])
     assert receipt["version"] == version and receipt["servers"] == [server.url[7:]] and receipt["buckets"] > 1
-    worst = {}
-    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
-                            ("T=0.7", SamplingParams(temperature=T, max_tokens=12), T)):
-        out = run(engine, reqs(seed=3), sp)
-        assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
-        worst[label] = worst_diff(out, reqs(seed=3), dirs["new"], temp)
+    worst = diffs_after_push(engine, version, dirs["new"], T)
     print(f"max |server - trainer| logprob after a push: {worst}; receipt {receipt}")
     assert max(worst.values()) <= 1e-4
     sp = SamplingParams(temperature=1.0, max_tokens=12)

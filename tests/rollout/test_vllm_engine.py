@@ -21,7 +21,7 @@ import torch
 from mgrpo.rollout.transport import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
 from mgrpo.rollout.vllm_engine import VLLMEngine
-from engine_helpers import reqs, run, trainer_actor, worst_diff
+from engine_helpers import diffs_after_push, reqs, run, trainer_actor, worst_diff
 from procs import group_alive
 
 T = 0.7
@@ -70,12 +70,7 @@ def test_after_a_push_engine_equals_trainer(single_rank, engine, dirs):
     (fp32, <= 1e-4), every token carries the pushed version, and a request's seed alone decides its sample."""
     receipt, version = push(engine, dirs["new"])
     assert receipt["version"] == version and receipt["tensors"] > 0 and not receipt["streamed"]
-    worst = {}
-    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
-                            ("T=0.7", SamplingParams(temperature=T, max_tokens=12), T)):
-        out = run(engine, reqs(seed=3), sp)
-        assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
-        worst[label] = worst_diff(out, reqs(seed=3), dirs["new"], temp)
+    worst = diffs_after_push(engine, version, dirs["new"], T)
     print(f"max |vllm - trainer| logprob after a push: {worst}; push receipt {receipt}")
     assert max(worst.values()) <= 1e-4
     sp = SamplingParams(temperature=1.0, max_tokens=12)
