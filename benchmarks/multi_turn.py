@@ -50,13 +50,13 @@ def main() -> None:
     ap.add_argument("--max-concurrent", type=int, default=32)
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
-    from mgrpo.rollout.hf_engine import HFEngine
+    from mgrpo.rollout.engines.hf import HFEngine
 
     model = make_tiny_hf(os.path.join(tempfile.mkdtemp(prefix="mgrpo-bench-"), "tiny"), num_layers=4)
     tok = load_tokenizer(model)
     engines = {"hf": HFEngine(model, tok.eos_token_id, tok.pad_token_id)}
     if not args.skip_vllm:
-        from mgrpo.rollout.vllm_engine import VLLMEngine
+        from mgrpo.rollout.engines.vllm import VLLMEngine
 
         engines["vllm"] = VLLMEngine(model, eos_token_id=tok.eos_token_id, max_num_seqs=256)
     n, bound, res = args.trajectories, args.max_concurrent, {}

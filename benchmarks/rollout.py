@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 from mgrpo.rollout.engine import request_seed  # noqa: E402
-from mgrpo.rollout.hf_engine import HFEngine  # noqa: E402
+from mgrpo.rollout.engines.hf import HFEngine  # noqa: E402
 from mgrpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
-from mgrpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from mgrpo.rollout.engines.vllm import VLLMEngine  # noqa: E402
 
 MODELS = {
     "tiny": dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,

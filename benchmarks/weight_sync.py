@@ -104,7 +104,7 @@ def main() -> None:
     from mgrpo.models.tiny import make_tiny_hf
     from mgrpo.parallel.distributed import free_port, init_distributed
     from mgrpo.parallel.state import setup_model_parallel
-    from mgrpo.rollout.remote_engine import RemoteEngine
+    from mgrpo.rollout.engines.remote import RemoteEngine
 
     with tempfile.TemporaryDirectory() as root:
         model = make_tiny_hf(os.path.join(root, "model"), seed=0, **MODELS[args.model])

@@ -1,4 +1,4 @@
-"""A guarded vLLM rollout server for `rollout.engine: remote` (see mgrpo/rollout/server.py).
+"""A guarded vLLM rollout server for `rollout.engine: remote` (see mgrpo/rollout/serving/server.py).
 
     MGRPO_SERVER_TOKEN=... python launch/rollout_server.py --model DIR --port 8000 [--host 127.0.0.1]
     python launch/rollout_server.py --model DIR --port 8000 --token-file /path/token     (the file holds the token)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import uvloop
 
-    from mgrpo.rollout.server import serve, vllm_args
+    from mgrpo.rollout.serving.server import serve, vllm_args
 
     vargs = vllm_args(os.path.abspath(args.model), args.host, args.port, dtype, args.seed, args.max_model_len,
                       args.max_num_seqs, extra)

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
+
+from mgrpo.config_checks import suggest
 
 
 class ConfigError(ValueError):
@@ -240,11 +241,6 @@ class Config:
 
 SHORT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--cp": "parallel.cp", "--vpp": "parallel.vpp",
                "--ep": "parallel.ep", "--sp": "parallel.sp"}
-
-
-def suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
 
 def _dataclass_type(tp):

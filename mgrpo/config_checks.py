@@ -1,24 +1,28 @@
 """Field checks of the run configuration, one function per section; each message names the field and the fix."""
 from __future__ import annotations
 
+import difflib
 import os
 
-from mgrpo.config import suggest  # config.validate imports this module when it runs, after config is loaded
+
+def suggest(name: str, options) -> str:
+    """The closest known name as a hint for a message, or the list of known ones."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
 
 def check_algorithm_names(a) -> list:
-    from mgrpo.loss.kl import _ALIASES, _KL
+    from mgrpo.loss.kl import kl_estimator_names
     from mgrpo.loss.presets import AGGREGATIONS, PRESETS
-    from mgrpo.loss.registry import _ADVANTAGE, _POLICY, advantages
+    from mgrpo.loss.registry import registered
     from mgrpo.loss.rollout_correction import ALIASES as IS_ALIASES
     from mgrpo.loss.rollout_correction import MODES as IS_MODES
 
-    advantages("grpo")  # loads the built-ins
     e = []
-    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, list(_ADVANTAGE), False),
-              ("policy_loss", a.policy_loss, list(_POLICY), False),
+    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, registered("advantage"), False),
+              ("policy_loss", a.policy_loss, registered("policy_loss"), False),
               ("aggregation", a.aggregation, list(AGGREGATIONS), False),
-              ("kl_estimator", a.kl_estimator, list(_KL) + list(_ALIASES), False),
+              ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
               ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):

@@ -18,16 +18,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.parallel.device import cpu_group
+from mgrpo.parallel.state import holds_metrics
 
 # loss-side names (actor.train_step stats) -> logged names
 _ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
           "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
           "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss"}
-
-
-def holds_metrics() -> bool:
-    """Last-stage TP0 ranks hold the loss metrics (every CP rank its own tokens' share)."""
-    return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
 
 
 def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:

@@ -215,7 +215,7 @@ def test_a_rejected_weight_update_stops_the_run_with_one_line(single_rank, tmp_p
     """The engine refuses a weight version (here: the transport raises as an engine rejection would): the step
     fails on every rank with one RolloutError naming the version, and the engine keeps its old weights."""
     from mgrpo.rollout.manager import RolloutError
-    from mgrpo.rollout.transport import WeightSyncError
+    from mgrpo.rollout.transports.base import WeightSyncError
 
     trainer = make_trainer(tmp_path, tiny_dirs)
     before = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}

@@ -117,8 +117,8 @@ def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
     """Per-sample sum of k1 = old - ref logprob over loss tokens (CP ranks add their chunks), on every rank."""
     import torch.distributed as dist
 
-    from mgrpo.metrics import holds_metrics
     from mgrpo.parallel.device import cpu_group
+    from mgrpo.parallel.state import holds_metrics
 
     out = torch.zeros(len(batch.samples), dtype=torch.float64)
     if holds_metrics():

@@ -43,6 +43,11 @@ def register_kl(name: str):
     return deco
 
 
+def kl_estimator_names() -> list:
+    """Every name `kl_penalty` accepts, aliases included."""
+    return sorted(_KL) + sorted(_ALIASES)
+
+
 def kl_penalty(name: str) -> Callable:
     """``fn(logp, ref_logp) -> per_token [B, L]`` (not masked). Names: k1, k2, k3 (aliases kl, mse, low_var_kl)."""
     key = _ALIASES.get(name, name)

@@ -26,12 +26,15 @@ register_policy_loss = _register(_POLICY, "policy loss")
 register_advantage = _register(_ADVANTAGE, "advantage")
 
 
-def _get(table, kind, name):
+def _load_builtins() -> None:
     import importlib
 
     for module in ("mgrpo.loss.advantages", "mgrpo.loss.policy"):  # built-ins register on import
         importlib.import_module(module)
 
+
+def _get(table, kind, name):
+    _load_builtins()
     if name not in table:
         raise KeyError(f"{kind} {name!r} is not registered; known: {', '.join(sorted(table))}")
     return table[name]
@@ -43,3 +46,9 @@ def policy_loss(name: str) -> Callable:
 
 def advantages(name: str) -> Callable:
     return _get(_ADVANTAGE, "advantage", name)
+
+
+def registered(kind: str) -> list:
+    """The names registered as `kind` ("policy_loss" or "advantage"), built-ins included."""
+    _load_builtins()
+    return sorted({"policy_loss": _POLICY, "advantage": _ADVANTAGE}[kind])

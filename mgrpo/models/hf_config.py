@@ -5,9 +5,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-
-class ModelConfigError(ValueError):
-    """A model folder or config.json we cannot use; the message names the file and the fix."""
+from mgrpo.models.registry import ModelConfigError, family_for_architecture
 
 
 @dataclass
@@ -69,8 +67,6 @@ def _check_activation(raw: dict, path: str) -> None:
 
 
 def read_model_info(model_dir: str) -> ModelInfo:
-    from mgrpo.models.registry import family_for_architecture
-
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ModelConfigError(f"{path}: not found; model.path must be an HF model folder with config.json")

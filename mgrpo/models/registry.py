@@ -5,6 +5,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+class ModelConfigError(ValueError):
+    """A model folder or config.json we cannot use; the message names the file and the fix. (Defined here, the
+    bottom of `mgrpo.models`, so the registry and `hf_config` raise the same error without importing each other.)"""
+
+
 @dataclass(frozen=True)
 class Biases:
     """Which linears carry a bias: q/k/v, the attention output (o_proj), and the MLP (gate, up, down)."""
@@ -37,8 +42,6 @@ def get_family(name: str) -> Family:
 
 
 def family_for_architecture(arch: str, where: str = "config.json") -> Family:
-    from mgrpo.models.hf_config import ModelConfigError
-
     _load_builtin()
     for fam in _FAMILIES.values():
         if arch in fam.architectures:

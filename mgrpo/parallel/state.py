@@ -22,6 +22,11 @@ def setup_model_parallel(parallel, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def holds_metrics() -> bool:
+    """Last-stage TP0 ranks hold the loss metrics (every CP rank its own tokens' share)."""
+    return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+
+
 def teardown_model_parallel() -> None:
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()

@@ -1,12 +1,28 @@
-"""Weight buckets: a flat byte buffer plus a JSON manifest, serialised as safetensors bytes (never pickle).
+"""Weight buckets: the one format every transport moves (and this module defines and documents, once).
 
 Imports only torch, safetensors and the standard library, so rollout engines and servers decode buckets
-without importing megatron. Manifest: {version, index, count, names, dtypes, shapes, offsets, nbytes, sha256}.
+without importing megatron. Public API: `Bucket`, `BucketError`, `ManifestCheck`, `pack_bucket`,
+`make_buckets`, `view_buckets`, `bucket_header`, `parse_bucket_header`, `read_bucket`, `digest`, `Digest`,
+`align_up`, `dtype_name`, `ALIGN`.
 
-Every tensor starts at a multiple of ALIGN bytes, so any dtype views straight out of the flat buffer. The
-sha256 (see `digest`) covers the payload and the manifest, so a receiver that checks it also knows the names,
-shapes and offsets it is about to trust. `ManifestCheck` is the receiver's completeness check: every expected
-tensor arrives exactly once, with the expected shape and dtype.
+Wire format of one bucket (what `Bucket.to_bytes` writes, `bucket_header` + payload streams, and
+`read_bucket` / `Bucket.from_bytes` read; never pickle):
+
+    bytes 0..8       n: the safetensors header length, little endian (header padded with spaces to 8 bytes)
+    bytes 8..8+n     JSON: {"__metadata__": {"mgrpo_manifest": "<manifest as JSON>"},
+                            "flat": {"dtype": "U8", "shape": [P], "data_offsets": [0, P]}}
+    then P bytes     the payload: each tensor's bytes at its manifest offset, every offset a multiple of ALIGN
+                     (64) bytes, zero padding between, so any dtype views straight out of the flat buffer
+    manifest         {version, index, count (0 while streaming), names, dtypes, shapes, offsets, nbytes, sha256}
+
+Digest (`digest`, or `Digest` fed chunk by chunk): hex sha256 of P as 8 bytes little endian, the payload, then
+the manifest without its `sha256` field as canonical JSON (sorted keys, no spaces). Covering the manifest
+catches a changed shape, name, offset or version, not only a flipped payload byte; the length prefix keeps the
+two parts apart. A bucket packed with checksum=False carries sha256 "" (in-process and trusted local transfers);
+the HTTP transport sends the digest as a trailer after the body instead (`transports/http_buckets.py`).
+
+`ManifestCheck` is the receiver's completeness check: every expected tensor arrives exactly once, with the
+expected shape and dtype.
 """
 from __future__ import annotations
 
@@ -29,24 +45,43 @@ class BucketError(ValueError):
     names the bucket."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as the manifest names it ("float32", "bfloat16", ...)."""
     return str(dtype).replace("torch.", "")
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
+    """`n` rounded up to the next multiple of ALIGN: where the next tensor of a bucket starts."""
     return -(-n // ALIGN) * ALIGN
 
 
-def digest(flat: torch.Tensor, manifest: dict) -> str:
-    """Hex sha256 of len(payload) (8 bytes, little endian), the payload, then the manifest without its
-    `sha256` field as canonical JSON (sorted keys, no spaces). Covering the manifest catches a changed shape,
-    name, offset or version, not only a flipped payload byte; the length prefix keeps the two parts apart."""
-    h = hashlib.sha256(flat.numel().to_bytes(8, "little"))
-    if flat.numel():
-        h.update(memoryview(flat.contiguous().numpy()))  # no copy; hashlib drops the GIL on large buffers
+def canonical_manifest(manifest: dict) -> bytes:
+    """The manifest as the digest covers it: without `sha256`, sorted keys, no spaces."""
     m = {k: v for k, v in manifest.items() if k != "sha256"}
-    h.update(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
-    return h.hexdigest()
+    return json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
+
+
+class Digest:
+    """The bucket digest computed as the payload streams by (a sender hashing what it sends, a receiver what
+    arrives): `Digest(payload_len)`, `update(chunk)` for each payload chunk in order, `finish(manifest)`."""
+
+    def __init__(self, payload_len: int):
+        self._h = hashlib.sha256(int(payload_len).to_bytes(8, "little"))
+
+    def update(self, chunk) -> None:
+        self._h.update(chunk)  # hashlib drops the GIL on large buffers
+
+    def finish(self, manifest: dict) -> str:
+        self._h.update(canonical_manifest(manifest))
+        return self._h.hexdigest()
+
+
+def digest(flat: torch.Tensor, manifest: dict) -> str:
+    """Hex sha256 of a whole bucket (see the module docstring for what it covers)."""
+    d = Digest(flat.numel())
+    if flat.numel():
+        d.update(memoryview(flat.contiguous().numpy()))  # no copy
+    return d.finish(manifest)
 
 
 @dataclass
@@ -117,9 +152,9 @@ def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum:
     for name, t in items:
         n = t.numel() * t.element_size()
         names.append(name)
-        dtypes.append(_dtype_name(t.dtype))
+        dtypes.append(dtype_name(t.dtype))
         shapes.append(list(t.shape))
-        offsets.append(_align(total))
+        offsets.append(align_up(total))
         nbytes.append(n)
         total = offsets[-1] + n
     flat = torch.empty(total, dtype=torch.uint8)
@@ -143,13 +178,58 @@ def make_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int
     pending, size, index = [], 0, 0
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
-        if pending and _align(size) + n > bucket_bytes:
+        if pending and align_up(size) + n > bucket_bytes:
             yield pack_bucket(pending, version, index, checksum=checksum)
             pending, size, index = [], 0, index + 1
         pending.append((name, t))
-        size = _align(size) + n
+        size = align_up(size) + n
     if pending:
         yield pack_bucket(pending, version, index, checksum=checksum)
+
+
+def bucket_header(items: list, version: int, index: int) -> tuple:
+    """(safetensors header bytes, payload length P, manifest) for (name, tensor) views `items`, without building
+    the payload: a sender streams the tensors after the header (zero padding to each ALIGN offset). The manifest
+    carries sha256 "": a streaming sender computes the digest as it sends (`Digest`)."""
+    offsets, nbytes, total = [], [], 0
+    for _, t in items:
+        offsets.append(align_up(total))
+        nbytes.append(t.numel() * t.element_size())
+        total = offsets[-1] + nbytes[-1]
+    manifest = dict(version=version, index=index, count=0, names=[n for n, _ in items],
+                    dtypes=[dtype_name(t.dtype) for _, t in items], shapes=[list(t.shape) for _, t in items],
+                    offsets=offsets, nbytes=nbytes, sha256="")
+    header = json.dumps({"__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
+                         "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header, total, manifest
+
+
+def parse_bucket_header(buf) -> tuple:
+    """(header length n, manifest, payload start, payload end) from a bucket's first 8 + n bytes: JSON only,
+    never unpickled; raises BucketError when they are not a bucket's."""
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8: 8 + n]))
+        manifest = json.loads(header["__metadata__"]["mgrpo_manifest"])
+        start, end = header["flat"]["data_offsets"]
+        assert header["flat"]["dtype"] == "U8" and 0 <= start <= end, "not one flat uint8 tensor"
+    except Exception as exc:
+        raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or "
+                          f"not a bucket") from None
+    return n, manifest, start, end
+
+
+def read_bucket(buf) -> Bucket:
+    """A Bucket whose flat payload is a view into `buf` (e.g. a writable mmap of a staged file), no copy; the
+    digest is not checked here (a receiver that hashed the bytes as they arrived sets `verified`)."""
+    n, manifest, start, end = parse_bucket_header(buf)
+    if 8 + n + end != len(buf):
+        raise BucketError(f"cannot decode weight bucket: {len(buf)} bytes, its header says {8 + n + end}; the "
+                          f"bytes are truncated")
+    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n + start, count=end - start) if end > start \
+        else torch.empty(0, dtype=torch.uint8)
+    return Bucket(flat, manifest)
 
 
 @dataclass
@@ -174,7 +254,7 @@ def view_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int
 
     def emit():
         m = dict(version=version, index=index, count=0, names=[n for n, _ in pending],
-                 dtypes=[_dtype_name(t.dtype) for _, t in pending], shapes=[list(t.shape) for _, t in pending],
+                 dtypes=[dtype_name(t.dtype) for _, t in pending], shapes=[list(t.shape) for _, t in pending],
                  offsets=None, nbytes=[t.numel() * t.element_size() for _, t in pending], sha256="")
         return ViewBucket(list(pending), m)
 
@@ -194,8 +274,8 @@ def _views_problem(bucket: ViewBucket) -> str | None:
     if [n for n, _ in bucket.items] != m.get("names"):
         return "the manifest's names are not the tensors it holds"
     for (name, t), dtype, shape in zip(bucket.items, m["dtypes"], m["shapes"]):
-        if _dtype_name(t.dtype) != dtype or list(t.shape) != list(shape):
-            return f"tensor {name!r} is {tuple(t.shape)} {_dtype_name(t.dtype)}, the manifest says {shape} {dtype}"
+        if dtype_name(t.dtype) != dtype or list(t.shape) != list(shape):
+            return f"tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, the manifest says {shape} {dtype}"
     return None
 
 

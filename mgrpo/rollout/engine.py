@@ -1,4 +1,5 @@
-"""The rollout `Engine` protocol, capabilities, a registry of backends (one file each) and per-request seeds.
+"""The rollout `Engine` protocol, capabilities, a registry of backends (one file each in `engines/`) and
+per-request seeds.
 
 An engine takes token ids in and gives token ids, logprobs of the distribution it sampled from, finish reasons
 and the weight version of every token out. Weights come in as buckets of HF-named tensors, all or nothing.
@@ -50,9 +51,9 @@ def engine_names() -> list:
 
 
 def _builtins():
-    import mgrpo.rollout.hf_engine  # noqa: F401  (registers "hf")
-    import mgrpo.rollout.vllm_engine  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
-    import mgrpo.rollout.remote_engine  # noqa: F401  (registers "remote")
+    import mgrpo.rollout.engines.hf  # noqa: F401  (registers "hf")
+    import mgrpo.rollout.engines.vllm  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
+    import mgrpo.rollout.engines.remote  # noqa: F401  (registers "remote")
 
 
 def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:

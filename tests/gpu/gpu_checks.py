@@ -167,7 +167,7 @@ def check_sync_7b(args, root: str) -> dict:
     from mgrpo.config import ParallelConfig
     from mgrpo.models.builder import build_model
     from mgrpo.resharding.export import export_hf
-    from mgrpo.rollout.hf_engine import HFEngine
+    from mgrpo.rollout.engines.hf import HFEngine
 
     shape = TINY_7B if args.tiny else QWEN25_7B
     model_dir = os.path.join(root, "q7b")
@@ -207,7 +207,7 @@ CHILD = """
 import json, sys, hashlib
 sys.path.insert(0, {root!r})
 import torch
-from mgrpo.rollout.shm import open_buffer
+from mgrpo.rollout.transports.buffers import open_buffer
 buf = open_buffer(json.loads(sys.stdin.read()))
 print(hashlib.sha256(buf.view.cpu().numpy().tobytes()).hexdigest())
 """
@@ -219,7 +219,7 @@ def check_cuda_ipc(args, root: str) -> dict:
 
     import torch
 
-    from mgrpo.rollout.shm import CudaIpcBuffer
+    from mgrpo.rollout.transports.buffers import CudaIpcBuffer
 
     if not torch.cuda.is_available():
         return dict(ok=True, cuda_ipc="skipped(no CUDA)")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
-from mgrpo.rollout.hf_engine import HFEngine, processed_logprobs, request_generator
+from mgrpo.rollout.engines.hf import HFEngine, processed_logprobs, request_generator
 from mgrpo.rollout.types import SamplingParams
 from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 

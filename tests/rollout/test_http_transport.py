@@ -6,9 +6,8 @@ import random
 import pytest
 import torch
 
-from mgrpo.resharding.bucket import BucketError, pack_bucket
-from mgrpo.rollout.http_transport import TRAILER, bucket_body, bucket_header
-from mgrpo.rollout.server import StreamCheck, read_bucket
+from mgrpo.resharding.bucket import BucketError, bucket_header, pack_bucket, read_bucket
+from mgrpo.rollout.transports.http_buckets import TRAILER, StreamCheck, bucket_body
 
 
 def items():

@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from mgrpo.rollout.remote_engine import RemoteEngine, RemoteEngineError
-from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
+from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
 from engine_helpers import diffs_after_push, reqs, run, trainer_actor
 

@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
-from mgrpo.rollout.vllm_engine import VLLMEngine
+from mgrpo.rollout.engines.vllm import VLLMEngine
 from engine_helpers import diffs_after_push, reqs, run, trainer_actor, worst_diff
 from procs import group_alive
 
@@ -189,7 +189,7 @@ def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single
         with pytest.raises(WeightSyncError, match="rejected before loading") as e:
             push(engine, dirs["other"], items=iter(items), bucket_bytes=256 << 10)
         print(f"{what}: {str(e.value)[:160]}")
-    import mgrpo.rollout.shm_transport as transport_module
+    import mgrpo.rollout.transports.shared_memory as transport_module
 
     monkeypatch.setattr(transport_module, "digest", lambda flat, manifest: "0" * 64)  # bytes no longer match
     with pytest.raises(WeightSyncError, match="sha256 mismatch"):
@@ -238,7 +238,7 @@ def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_ran
 _DRIVER = textwrap.dedent("""
     import json, os, sys, time
     from safetensors.torch import load_file
-    from mgrpo.rollout.vllm_engine import VLLMEngine
+    from mgrpo.rollout.engines.vllm import VLLMEngine
     if __name__ == "__main__":
         engine = VLLMEngine(sys.argv[1], eos_token_id=None)
         transport = engine.weight_transport(1 << 20)

@@ -64,8 +64,8 @@ def tok(model_dir):
 
 @pytest.fixture(scope="module")
 def engines(model_dir, tok):
-    from mgrpo.rollout.hf_engine import HFEngine
-    from mgrpo.rollout.vllm_engine import VLLMEngine
+    from mgrpo.rollout.engines.hf import HFEngine
+    from mgrpo.rollout.engines.vllm import VLLMEngine
 
     made = {"hf": HFEngine(model_dir, tok.eos_token_id, tok.pad_token_id)}
     made["vllm"] = VLLMEngine(model_dir, eos_token_id=tok.eos_token_id, max_num_seqs=256)

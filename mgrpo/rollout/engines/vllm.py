@@ -2,7 +2,7 @@
 
 vLLM cannot live in the trainer's own process (AsyncLLM needs its own engine-core process; an in-process
 `LLM` under torchrun builds process groups over the whole world and hangs), so each engine owner starts
-`mgrpo.rollout.vllm_child` in its own session, talks to it over a Unix socket in a 0700 directory with a
+`mgrpo.rollout.serving.vllm_child` in its own session, talks to it over a Unix socket in a 0700 directory with a
 per-engine token, and pushes weights through shared buffers (`SharedMemoryTransport`). The child samples with
 exactly mgrpo's settings (`generation_config="vllm"`, nothing from the model folder), returns processed
 logprobs (those of the distribution sampled from), and dies with this process: `close()` at exit, and a
@@ -21,10 +21,10 @@ import sys
 import time
 from dataclasses import asdict
 
-from mgrpo.rollout import local_rpc
 from mgrpo.rollout.engine import Capabilities, register_engine
-from mgrpo.rollout.shm import SHM_DIR, buffer_prefix
-from mgrpo.rollout.shm_transport import SharedMemoryTransport
+from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
+from mgrpo.rollout.transports.shared_memory import SharedMemoryTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -70,7 +70,7 @@ class VLLMEngine:
                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                     socket=self.socket, token=self.token, parent_pid=os.getpid())
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.vllm_child"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"], stdin=subprocess.PIPE,
                                      stdout=self._log, stderr=subprocess.STDOUT, env=_child_env(kv_cache_gb),
                                      start_new_session=True)
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())

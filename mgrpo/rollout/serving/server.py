@@ -20,7 +20,6 @@ Every generation response carries `x-mgrpo-weight-version`: the weights that pro
 # (no `from __future__ import annotations`: FastAPI reads the route signatures at runtime)
 
 import asyncio
-import hashlib
 import hmac
 import json
 import os
@@ -123,86 +122,11 @@ class Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class StreamCheck:
-    """The sha256 of one bucket body computed as its chunks arrive (no second pass over the staged file): the
-    safetensors header is parsed by hand (JSON only) from the first bytes, the payload is hashed as it streams,
-    and the last 64 bytes are the sender's hex digest (`http_transport.bucket_body`), compared at the end."""
-
-    def __init__(self, size: int, trailer: int = 64):
-        self.file_size, self.trailer_size = size - trailer, trailer
-        self.head, self.trailer, self.pos, self.hash, self.manifest = b"", b"", 0, None, None
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Take the next chunk; return the part of it that belongs in the staged file."""
-        keep = chunk[: max(0, self.file_size - self.pos)]
-        self.trailer += chunk[len(keep):]
-        if self.hash is None:
-            self.head += keep
-            if len(self.head) >= 8 and len(self.head) >= 8 + int.from_bytes(self.head[:8], "little"):
-                n, self.manifest, start, end = parse_header(self.head)
-                if 8 + n + end != self.file_size:
-                    from mgrpo.resharding.bucket import BucketError
-                    raise BucketError(f"the safetensors header says {8 + n + end} bytes, the body carries "
-                                      f"{self.file_size} before its sha256 trailer")
-                self.hash = hashlib.sha256((end - start).to_bytes(8, "little"))
-                self.hash.update(memoryview(self.head)[8 + n:])
-                self.head = b""
-        else:
-            self.hash.update(keep)
-        self.pos += len(keep)
-        return keep
-
-    def finish(self) -> str:
-        """The digest checked against the trailer; raises BucketError naming what is wrong."""
-        from mgrpo.resharding.bucket import BucketError
-
-        if self.hash is None or len(self.trailer) != self.trailer_size:
-            raise BucketError("the body ends before its safetensors header and sha256 trailer are complete")
-        m = {k: v for k, v in self.manifest.items() if k != "sha256"}
-        self.hash.update(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
-        got, sent = self.hash.hexdigest(), self.trailer.decode("ascii", "replace")
-        if not hmac.compare_digest(got, sent):
-            raise BucketError(f"sha256 mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
-                              f"{got[:12]}...); the bucket was altered or cut in transit, resend it")
-        return got
-
-
-def parse_header(buf) -> tuple:
-    """(header length n, manifest, payload start, payload end) from a bucket's first 8 + n bytes: JSON only,
-    never unpickled; raises BucketError when they are not a bucket's."""
-    from mgrpo.resharding.bucket import BucketError
-
-    try:
-        n = int.from_bytes(buf[:8], "little")
-        header = json.loads(bytes(buf[8: 8 + n]))
-        manifest = json.loads(header["__metadata__"]["mgrpo_manifest"])
-        start, end = header["flat"]["data_offsets"]
-        assert header["flat"]["dtype"] == "U8" and 0 <= start <= end, "not one flat uint8 tensor"
-    except Exception as exc:
-        raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or "
-                          f"not a bucket") from None
-    return n, manifest, start, end
-
-
-def read_bucket(buf):
-    """A Bucket whose flat payload is a view into `buf` (a writable mmap): the safetensors header is parsed by
-    hand (JSON only), never unpickled."""
-    import torch
-
-    from mgrpo.resharding.bucket import Bucket, BucketError
-
-    n, manifest, start, end = parse_header(buf)
-    if 8 + n + end != len(buf):
-        raise BucketError(f"cannot decode weight bucket: {len(buf)} bytes, its header says {8 + n + end}; the "
-                          f"bytes are truncated")
-    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n + start, count=end - start) if end > start \
-        else torch.empty(0, dtype=torch.uint8)
-    return Bucket(flat, manifest)
-
-
 def add_weight_routes(app, engine_client, gate: Gate, staging: Staging, expected: dict, optional: list) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
+
+    from mgrpo.rollout.transports.http_buckets import StreamCheck
 
     state = {"poisoned": None}
 
@@ -292,16 +216,16 @@ def vllm_args(model: str, host: str, port: int, dtype: str, seed: int, max_model
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from mgrpo.rollout.vllm_child import _cpu_scheduling
+    from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling
 
     argv = ["--model", model, "--host", host, "--port", str(port), "--generation-config", "vllm",
             "--logprobs-mode", "processed_logprobs", "--dtype", dtype, "--seed", str(seed),
-            "--worker-extension-cls", "mgrpo.rollout.vllm_worker.FileReceiver", "--enable-prefix-caching",
+            "--worker-extension-cls", WORKER_EXTENSION["server"], "--enable-prefix-caching",
             "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log", "--enforce-eager"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
-    cpu = _cpu_scheduling({"model": model, "max_model_len": max_model_len})  # {} with CUDA
-    if cpu:  # seeded prefills must not be chunked on CPU (see vllm_child._cpu_scheduling)
+    cpu = cpu_scheduling({"model": model, "max_model_len": max_model_len})  # {} with CUDA
+    if cpu:  # seeded prefills must not be chunked on CPU (see vllm_settings.cpu_scheduling)
         argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cpu["max_num_batched_tokens"])]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv + list(extra))
     validate_parsed_serve_args(args)
@@ -315,7 +239,7 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready) -> None:
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
-    from mgrpo.rollout.vllm_child import hf_manifest
+    from mgrpo.rollout.serving.vllm_settings import hf_manifest
 
     listen_address, sock = setup_server(args, reuse_port=False)  # binds first: a port in use fails here
     staging = Staging(max_bucket_bytes)

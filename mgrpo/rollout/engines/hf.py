@@ -13,10 +13,9 @@ import time
 import torch
 
 from mgrpo.parallel.device import device
-from mgrpo.resharding.bucket import ManifestCheck
-from mgrpo.resharding.bucket import _dtype_name as dtype_name
+from mgrpo.resharding.bucket import ManifestCheck, dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
-from mgrpo.rollout.transport import InProcessTransport
+from mgrpo.rollout.transports.in_process import InProcessTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 

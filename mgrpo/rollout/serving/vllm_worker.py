@@ -16,9 +16,9 @@ from collections import deque
 
 import torch
 
-from mgrpo.resharding.bucket import Bucket, BucketError, ManifestCheck
-from mgrpo.rollout import local_rpc
-from mgrpo.rollout.shm import open_buffer
+from mgrpo.resharding.bucket import Bucket, BucketError, ManifestCheck, read_bucket
+from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.transports.buffers import open_buffer
 
 
 def _quiet_idle_spin(seconds: float) -> None:
@@ -69,8 +69,6 @@ class FileReceiver:
         is checked against this model and the whole set for completeness before anything is loaded; then
         vLLM's reload_weights reads the tensors straight out of the mapped files. Never raises into the core."""
         import mmap
-
-        from mgrpo.rollout.server import read_bucket
 
         check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in expected.items()}, optional, receiver="rollout server")
         files, maps, buckets = [], [], []

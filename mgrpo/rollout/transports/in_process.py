@@ -1,7 +1,4 @@
-"""Weight transports: how exported HF tensors reach an engine. One class per transport: in-process (the HF
-engine lives in the trainer rank that receives the export) and shared buffers (a colocated vLLM engine in a
-child process; POSIX shared memory on CPU, CUDA IPC on GPU: `mgrpo.rollout.shm_transport`). HTTP buckets and
-collective broadcast come with the remote engines."""
+"""`InProcessTransport`: the HF engine lives in the trainer rank that receives the export."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -21,7 +18,3 @@ class InProcessTransport:
     def send(self, named_tensors: Iterable[tuple], version: int) -> dict:
         """Push one weight version; returns the engine's receipt (tensors, bytes, buckets, version)."""
         return self.engine.update_weights(view_buckets(named_tensors, self.bucket_bytes, version), version)
-
-
-class WeightSyncError(RuntimeError):
-    """An engine rejected or failed a weight update; the message says whether the old version still serves."""

@@ -176,7 +176,7 @@ class RemoteEngine:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        from mgrpo.rollout.http_transport import HttpBucketTransport
+        from mgrpo.rollout.transports.http_buckets import HttpBucketTransport
 
         return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s), **kwargs))
 

@@ -1,7 +1,7 @@
 """`SharedMemoryTransport`: weights to a colocated engine's worker through buffers both processes map.
 
 The trainer copies each exported tensor once into a buffer (cast to the engine's dtype on the way); the worker
-hands views of it to vLLM's `reload_weights`. POSIX shared memory on CPU, CUDA IPC on GPU (`mgrpo.rollout.shm`).
+hands views of it to vLLM's `reload_weights`. POSIX shared memory on CPU, CUDA IPC on GPU (`transports/buffers.py`).
 
 `ring=0` (the CPU default) keeps one buffer per bucket, so the engine checks the whole update before loading any
 of it (all or nothing); `ring=k` cycles k buffers and the worker loads buckets as they arrive (bounded memory; the
@@ -21,10 +21,10 @@ from typing import Iterable
 
 import torch
 
-from mgrpo.resharding.bucket import _align, _dtype_name, digest
-from mgrpo.rollout import local_rpc
-from mgrpo.rollout.shm import BUFFER_KINDS, buffer_prefix
-from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.resharding.bucket import align_up, digest, dtype_name
+from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.transports.base import WeightSyncError
+from mgrpo.rollout.transports.buffers import BUFFER_KINDS, buffer_prefix
 
 
 class _WorkerStopped(Exception):
@@ -162,16 +162,16 @@ class SharedMemoryTransport:
             for name, t in stream:
                 dtype = target if t.is_floating_point() else t.dtype
                 n = t.numel() * dtype.itemsize
-                if cur["items"] and _align(cur["used"]) + n > self.buffers[cur["slot"]].nbytes:
+                if cur["items"] and align_up(cur["used"]) + n > self.buffers[cur["slot"]].nbytes:
                     flush()
                 if cur["slot"] is None:
                     cur["slot"] = take_slot()
                     self._buffer(cur["slot"], n)
-                buf, off = self.buffers[cur["slot"]], _align(cur["used"])
+                buf, off = self.buffers[cur["slot"]], align_up(cur["used"])
                 tc = time.perf_counter()
                 buf.view[off: off + n].view(dtype).view(t.shape).copy_(t)
                 copy_s += time.perf_counter() - tc
-                cur["items"].append((name, _dtype_name(dtype), list(t.shape), off, n))
+                cur["items"].append((name, dtype_name(dtype), list(t.shape), off, n))
                 cur["used"], nbytes = off + n, nbytes + n
             if cur["items"]:
                 flush()

