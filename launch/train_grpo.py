@@ -114,6 +114,19 @@ def main(argv: list) -> int:
         return 2
     if denv.rank == 0:
         print(describe_algorithm(cfg), flush=True)
+    import torch.distributed as dist
+
+    from mgrpo.parallel.distributed import shutdown_distributed
+
+    owns_group = not dist.is_initialized()  # a caller's own group (tests call main in-process) is left alone
+    try:
+        return train(cfg, denv, data)
+    finally:  # under nccl a group never destroyed ends stderr with torch's warning, hiding the error above it
+        if owns_group:
+            shutdown_distributed()
+
+
+def train(cfg, denv, data) -> int:
     from mgrpo.checkpoint import CheckpointFolderError
     from mgrpo.resharding.load import CheckpointError
     from mgrpo.rollout.manager import RolloutError

@@ -15,6 +15,7 @@ from mgrpo.loss.registry import policy_loss
 from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg, rollout_offpolicy_metrics
 from mgrpo.models.builder import build_model
 from mgrpo.parallel.pipeline import forward_backward, unwrap
+from mgrpo.parallel.state import gloo_groups_created
 from mgrpo.resharding.load import load_hf
 
 
@@ -53,7 +54,7 @@ class Actor:
                                   bf16=self.cfg.model.params_dtype == "bfloat16",
                                   params_dtype=self.config.params_dtype,
                                   use_distributed_optimizer=t.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks, use_gloo_process_groups=gloo_groups_created())
         self.scheduler = make_scheduler(self.optimizer, t)
 
     def _logprobs(self, mb, logits, entropy: bool = False):

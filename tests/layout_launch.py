@@ -18,7 +18,7 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "parallel", "layout_worker.py")
 
 LAUNCHES = {
-    2: ["tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2", "dp2-distopt", "tp2-wrongshard",
+    2: ["tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2", "dp2-distopt", "tp2-wrongshard", "dp2-distopt-nogloo", "tp2-nogloo",
         "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2",
         "tp2-loss_grpo", "pp2-vpp2-loss_grpo", "dp2-loss_dr_grpo", "pp2-loss_gspo", "dp2-loss_cispo",
         "cp2", "cp2-loss_gspo", "cp2-loss_gspo-localseq", "cp2-nozigzag"],

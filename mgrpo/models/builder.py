@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mgrpo.models.hf_config import ModelInfo, read_model_info
 from mgrpo.models.registry import get_family
-from mgrpo.parallel.device import on_cuda
+from mgrpo.parallel.device import device, on_cuda
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -49,7 +49,7 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp, sequence_parallel=bool(parallel.sp),
-        use_cpu_initialization=not on_cuda(), perform_initialization=True, init_method_std=0.02,
+        use_cpu_initialization=device().type == "cpu", perform_initialization=True, init_method_std=0.02,
         variable_seq_lengths=False,  # PP micro-batches share one length (see data/microbatch.py)
         batch_p2p_comm=(on_cuda() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
@@ -172,4 +172,25 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
                                                             device=chunk.rotary_pos_emb.inv_freq.device)
         chunk.mgrpo_info = info  # the HF facts export/load need (vocab size, family)
         chunks.append(chunk)
+    # a plan builds on meta under `with torch.device("meta")`; a run on its device
+    check_placement(chunks, "meta" if torch.get_default_device().type == "meta" else device())
     return chunks
+
+
+class PlacementError(RuntimeError):
+    """A model tensor is not on the run's device after the build (the first forward would fail with "Expected
+    all tensors to be on the same device")."""
+
+
+def check_placement(chunks: list, dev: torch.device) -> None:
+    """Every parameter and buffer of every chunk on `dev` (megatron-core builds on torch.cuda.current_device()
+    without use_cpu_initialization and never moves a model afterwards); raises naming the first that is not."""
+    dev = torch.device(dev)
+    for i, chunk in enumerate(chunks):
+        for kind, named in (("parameter", chunk.named_parameters()), ("buffer", chunk.named_buffers())):
+            for name, t in named:
+                if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
+                    raise PlacementError(
+                        f"model chunk {i}: {kind} {name} {tuple(t.shape)} is on {t.device}, the run's device is "
+                        f"{dev}; its module was built without a device (build it on "
+                        f"torch.cuda.current_device() unless config.use_cpu_initialization, as megatron does)")

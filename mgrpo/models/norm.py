@@ -7,9 +7,16 @@ over TP. q/k norms see different heads per TP rank and megatron reduces those by
 import torch
 
 
+def init_device(config):
+    """Where megatron puts a module's parameters at construction: the CPU with use_cpu_initialization, else
+    `torch.cuda.current_device()` (as its own linears and embeddings do; megatron-core never moves a built
+    model, so a norm left on the CPU would meet GPU activations in the first forward)."""
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
 class SPRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=init_device(config))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x):

@@ -54,6 +54,16 @@ def world_size_from_env(environ=None) -> int:
     return read_dist_env(environ).world_size
 
 
+def shutdown_distributed() -> None:
+    """Megatron's groups and the default process group destroyed, where they exist (at the end of a run)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> DistEnv:
     """Initialise the default process group once; returns the environment it used."""
     denv = read_dist_env()

@@ -31,14 +31,17 @@ def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
 
 
 def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None,
-               weights_fn=None, step: bool = True) -> None:
+               weights_fn=None, step: bool = True, gloo_groups: bool | None = None) -> None:
     """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step.
 
-    `weights_fn(samples)` replaces the configured aggregation weights (negative controls)."""
+    `weights_fn(samples)` replaces the configured aggregation weights (negative controls); `gloo_groups=False`
+    builds megatron's groups as under CUDA with nccl (no gloo DP groups)."""
     from mgrpo.actor import Actor
-    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.parallel.state import gloo_groups_created, setup_model_parallel
 
-    setup_model_parallel(cfg.parallel, cfg.train.seed)
+    setup_model_parallel(cfg.parallel, cfg.train.seed, gloo_groups=gloo_groups)
+    if gloo_groups is not None and gloo_groups_created() != gloo_groups:
+        raise RuntimeError(f"asked for gloo DP groups={gloo_groups}, megatron made {gloo_groups_created()}")
     actor = Actor(cfg, model_dir)
     if corrupt is not None:
         corrupt(actor)

@@ -1,10 +1,14 @@
 """The checks behind scripts/gpu_check.sh, in order, each with a time budget. One summary line is printed as each
 check finishes (so a timeout still leaves results), then one `result:` line.
 
-    python tests/gpu/gpu_checks.py            # on a CUDA machine: the real shapes (about 5 minutes on an H200)
-    python tests/gpu/gpu_checks.py --tiny     # tiny shapes on whatever device there is (CI runs it on CPU)
+    python tests/gpu/gpu_checks.py                 # on a CUDA machine: the real shapes (about 5 minutes on an H200)
+    python tests/gpu/gpu_checks.py --tiny          # tiny shapes on whatever device there is (CI runs it on CPU)
+    python tests/gpu/gpu_checks.py --require-cuda  # the lent GPU machine: no CUDA is a failure (exit 3), not a skip
 
-Without CUDA and without --tiny it prints what it would run and why it skipped, and exits 0.
+Without CUDA, --tiny and --require-cuda it prints what it would run and why it skipped, and exits 0. Cheap,
+independent checks run first; every child process gets a timeout inside the script's own total
+(GPU_CHECK_TIMEOUT_S, which gpu_check.sh also enforces), and its stderr is saved whole under the log folder
+(GPU_CHECK_LOG_DIR, default outputs/gpu_check), the last 30 lines printed when it fails.
 """
 from __future__ import annotations
 
@@ -28,16 +32,60 @@ TINY = dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=2, num_h
 TINY_7B = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, tie_word_embeddings=False)
 
-CHECKS = [  # name, budget (s), what it shows
+CHECKS = [  # name, budget (s), what it shows; cheap and independent first
+    ("cuda_ipc", 20, "a second process maps a CUDA-IPC weight buffer and reads the tensors back bitwise"),
+    ("fused", 40, "fused vs naive logprob + entropy, vocab 152064, 8192 tokens, bf16: logprobs, entropy and the "
+                  "loss gradient agree; peak memory and time ratios"),
     ("parity", 75, "megatron TP1 (local spec) logits vs HF, Qwen2.5-0.5B shape, 256 tokens: fp32 max|d| <= 1e-4; "
-                   "bf16 max|d| <= 5e-2 and top-1 agreement >= 98%"),
+                   "bf16 vs HF bf16 mean KL and mean|d| bounded, top-1 = fp32 HF's where its top-2 margin is clear"),
     ("grpo_step", 75, "one GRPO step end to end (launch/train_grpo.py, nccl at world size 1, HF engine on the "
                       "GPU): weights synced, engine logprobs = trainer logprobs (fp32, mean |d| <= 1e-4)"),
-    ("fused", 40, "fused vs naive logprob + entropy, vocab 152064, 8192 tokens, bf16: peak memory and time ratios"),
     ("sync_7b", 80, "export + in-process sync of a random Qwen2.5-7B-shape model in bf16: seconds and GB/s beside "
                     "a device-to-device copy of the same bytes"),
-    ("cuda_ipc", 20, "a second process maps a CUDA-IPC weight buffer and reads the tensors back bitwise"),
 ]
+# bf16 parity, judged on what bf16 cannot flip. Both sides round to 8 significant bits at every layer, so their
+# logits differ by ~1e-2 and a random model's argmax flips wherever its top-two gap is that small. Measured on this
+# check's own random Qwen2.5-0.5B and 256 tokens (HF bf16 against HF fp32, CPU): logit std 0.60, top-two margin
+# median 0.083 (10% of tokens below 0.009), mean|d| 0.0128, max|d| 0.096, mean KL 1.3e-4; top-1 over all tokens
+# only 0.926, so the old all-token top-1 >= 0.98 was a coin toss. Now: mean KL(HF bf16 || megatron bf16) and the
+# logits' mean |d|, each about 3-4x what two independent bf16 roundings give; top-1 against fp32 HF only where
+# fp32's top-two margin exceeds BF16_MARGIN (0.1, 8x the mean |d|: 44% of tokens there, all agreed in the
+# measurement). A real fault (a wrong RoPE, a swapped shard) moves KL by orders of magnitude, not by 3x.
+BF16_KL_MAX, BF16_MEAN_ABS_MAX, BF16_MARGIN, BF16_TOP1_MIN = 1e-3, 4e-2, 0.1, 0.99
+CHILD_TAIL_LINES = 30
+_deadline = [float("inf")]  # monotonic time by which every check, children included, must be done
+
+
+def remaining(floor: float = 10.0) -> float:
+    """Seconds a child process may still take: inside the script's total, never below `floor`."""
+    return max(floor, min(_deadline[0] - time.monotonic(), 3600.0))  # no deadline set (a library call): an hour
+
+
+def log_dir() -> str:
+    path = os.environ.get("GPU_CHECK_LOG_DIR") or os.path.join(ROOT, "outputs", "gpu_check")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def run_child(name: str, cmd: list, **kw) -> subprocess.CompletedProcess:
+    """A child process with a timeout inside the total; its stderr saved whole, the tail raised on failure."""
+    log = os.path.join(log_dir(), f"{name}.stderr.log")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=remaining(), **kw)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        open(log, "w").write(err)
+        raise RuntimeError(f"{name}: timed out after {exc.timeout:.0f} s (inside the script's total); stderr in "
+                           f"{log}, last lines:\n{tail(err)}") from None
+    open(log, "w").write(proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: exited {proc.returncode}; stderr in {log}, last {CHILD_TAIL_LINES} lines:\n"
+                           f"{tail(proc.stderr)}")
+    return proc
+
+
+def tail(text: str, n: int = CHILD_TAIL_LINES) -> str:
+    return "\n".join("    | " + line for line in text.strip().splitlines()[-n:])
 
 
 def dev():
@@ -81,23 +129,38 @@ def check_parity(args, root: str) -> dict:
     setup_megatron()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (1, 64 if args.tiny else 256), generator=g).to(dev())
-    out = {}
+    mine, ref = {}, {}
     for dtype in ("float32", "bfloat16"):
         chunks = build_model(model_dir, ParallelConfig(), dtype, 128, seed=0)
         load_hf(chunks, model_dir)
-        mine = full_logits(chunks[0], ids)[..., : shape["vocab_size"]].float()
+        with torch.no_grad():
+            mine[dtype] = full_logits(chunks[0], ids)[0, :, : shape["vocab_size"]].float()
         del chunks
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev()).eval()
         with torch.no_grad():
-            ref = hf(ids).logits.float()
+            ref[dtype] = hf(ids).logits[0].float()
         del hf
-        diff = float((mine - ref).abs().max())
-        out[f"{dtype}_maxdiff"] = diff
-        if dtype == "bfloat16":
-            out["bf16_top1"] = float((mine.argmax(-1) == ref.argmax(-1)).float().mean())
-    ok = out["float32_maxdiff"] <= 1e-4 and out["bfloat16_maxdiff"] <= 5e-2 and out["bf16_top1"] >= 0.98
-    return dict(ok=ok, parity_fp32_maxdiff=f"{out['float32_maxdiff']:.2e}",
-                parity_bf16_maxdiff=f"{out['bfloat16_maxdiff']:.2e}", parity_bf16_top1=f"{out['bf16_top1']:.4f}")
+    fp32_max = float((mine["float32"] - ref["float32"]).abs().max())
+    b = bf16_agreement(mine["bfloat16"], ref["bfloat16"], ref["float32"])
+    ok = (fp32_max <= 1e-4 and b["kl"] <= BF16_KL_MAX and b["mean_abs"] <= BF16_MEAN_ABS_MAX
+          and b["top1"] >= BF16_TOP1_MIN)
+    return dict(ok=ok, parity_fp32_maxdiff=f"{fp32_max:.2e}", parity_bf16_kl=f"{b['kl']:.2e}",
+                parity_bf16_mean_abs=f"{b['mean_abs']:.2e}", parity_bf16_top1_clear=f"{b['top1']:.4f}",
+                parity_bf16_clear_frac=f"{b['clear']:.3f}")
+
+
+def bf16_agreement(mine, ref, ref_fp32) -> dict:
+    """[T, V] logits: mean KL(ref || mine), mean |d|, and top-1 agreement of `mine` with fp32 HF on the tokens
+    whose fp32 top-two margin exceeds BF16_MARGIN (`clear`: their share)."""
+    import torch
+
+    lr, lm = torch.log_softmax(ref.double(), -1), torch.log_softmax(mine.double(), -1)
+    kl = float((lr.exp() * (lr - lm)).sum(-1).mean())
+    top2 = ref_fp32.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > BF16_MARGIN
+    same = (mine.argmax(-1) == ref_fp32.argmax(-1))[clear]
+    return dict(kl=kl, mean_abs=float((mine - ref).abs().mean()), clear=float(clear.float().mean()),
+                top1=float(same.float().mean()) if clear.any() else 1.0)
 
 
 def check_grpo_step(args, root: str) -> dict:
@@ -110,9 +173,7 @@ def check_grpo_step(args, root: str) -> dict:
            os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--train.steps", "2", "--rollout.engine", "hf",
            "--model.path", os.path.join(out_dir, "model"), "--logging.output_dir", out_dir,
            "--logging.tensorboard", "false", "--logging.report", "false", "--model.params_dtype", "float32"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise RuntimeError(f"train_grpo.py exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    run_child("grpo_step", cmd, cwd=ROOT, env=env)
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     diffs = [r[k] for r in rows for k in r if k.endswith("rollout_logp_abs_diff")]
     if not diffs:
@@ -151,13 +212,17 @@ def check_fused(args, root: str) -> dict:
         (lp.sum() + 0.1 * ent.sum()).backward()
         sync()
         peak = (torch.cuda.max_memory_allocated() - base) if dev().type == "cuda" else 0
-        stats[name] = dict(s=time.perf_counter() - t0, peak=peak, lp=lp.detach().float(), grad=x.grad.float())
-    d = float((stats["fused"]["lp"] - stats["naive"]["lp"]).abs().max())
-    mem = stats["fused"]["peak"] / max(stats["naive"]["peak"], 1) if dev().type == "cuda" else float("nan")
-    tr = stats["fused"]["s"] / stats["naive"]["s"]
-    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
-    return dict(ok=d <= tol and (mem != mem or mem < 1.0), fused_mem_ratio=f"{mem:.3f}", fused_time_ratio=f"{tr:.2f}",
-                fused_logp_maxdiff=f"{d:.1e}")
+        stats[name] = dict(s=time.perf_counter() - t0, peak=peak, lp=lp.detach().float(), ent=ent.detach().float(),
+                           grad=x.grad.float())
+    f, n = stats["fused"], stats["naive"]
+    d = {k: float((f[k] - n[k]).abs().max()) for k in ("lp", "ent", "grad")}
+    mem = f["peak"] / max(n["peak"], 1) if dev().type == "cuda" else float("nan")
+    tr = f["s"] / n["s"]
+    # both paths compute in fp32 from the same logits: bf16 enters only through the inputs and the stored grad
+    tol = {"lp": 5e-2, "ent": 5e-2, "grad": 1e-2} if dtype == torch.bfloat16 else {"lp": 1e-4, "ent": 1e-4, "grad": 1e-6}
+    ok = all(d[k] <= tol[k] for k in d) and (mem != mem or mem < 1.0)
+    return dict(ok=ok, fused_mem_ratio=f"{mem:.3f}", fused_time_ratio=f"{tr:.2f}", fused_logp_maxdiff=f"{d['lp']:.1e}",
+                fused_entropy_maxdiff=f"{d['ent']:.1e}", fused_grad_maxdiff=f"{d['grad']:.1e}")
 
 
 def check_sync_7b(args, root: str) -> dict:
@@ -228,17 +293,29 @@ def check_cuda_ipc(args, root: str) -> dict:
     buf.view.copy_(torch.randint(0, 256, (buf.nbytes,), device="cuda", generator=g, dtype=torch.uint8))
     sync()
     want = hashlib.sha256(buf.view.cpu().numpy().tobytes()).hexdigest()
-    proc = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT)], input=json.dumps(buf.describe()),
-                          capture_output=True, text=True, timeout=120)
-    got = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr.strip()[-300:]
+    proc = run_child("cuda_ipc", [sys.executable, "-c", CHILD.format(root=ROOT)], input=json.dumps(buf.describe()))
+    got = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
     return dict(ok=got == want, cuda_ipc="bitwise" if got == want else f"differs({got[:40]})")
+
+
+def megatron_source() -> str:
+    """Which megatron-core the checks use (on the lent machine: the copy gpu_deps.sh made)."""
+    try:
+        import megatron.core as mc
+    except ImportError as exc:
+        return f"megatron-core missing ({exc}): run bash scripts/gpu_deps.sh and carry .gpu_deps"
+    return f"megatron-core {mc.__version__} from {os.path.dirname(os.path.dirname(mc.__file__))}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on any device (CI runs the code on CPU)")
     ap.add_argument("--only", default="", help="comma-separated check names")
+    ap.add_argument("--require-cuda", action="store_true",
+                    help="exit 3 with one line when CUDA is not available (the run on a lent GPU machine)")
     args = ap.parse_args()
+    total = float(os.environ.get("GPU_CHECK_TIMEOUT_S") or 300)
+    _deadline[0] = time.monotonic() + total - 15  # room to print the result line before gpu_check.sh's timeout
     import torch
 
     names = [n for n in args.only.split(",") if n] or [n for n, _, _ in CHECKS]
@@ -247,8 +324,13 @@ def main() -> int:
         print(f"error: --only: unknown check(s) {sorted(unknown)}; known: {[n for n, _, _ in CHECKS]}")
         return 2
     cuda = torch.cuda.is_available()
+    if args.require_cuda and not cuda:
+        print(f"error: --require-cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda="
+              f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+              f"nothing was checked")
+        return 3
     print(f"gpu_check: torch {torch.__version__}, CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}"
-          f"{', tiny shapes' if args.tiny else ''}", flush=True)
+          f"{', tiny shapes' if args.tiny else ''}; {megatron_source()}", flush=True)
     if not cuda and not args.tiny:
         for name, budget, what in CHECKS:
             print(f"  skip {name} (budget {budget} s): {what}")
@@ -263,12 +345,16 @@ def main() -> int:
             if name not in names:
                 continue
             t0 = time.perf_counter()
+            if time.monotonic() + 5 > _deadline[0]:
+                print(f"check {name}: FAIL no time left inside the total ({total:.0f} s)", flush=True)
+                continue
             try:
                 out = fns[name](args, root)
                 ok = out.pop("ok")
             except Exception as exc:  # noqa: BLE001  (one check failing must not hide the others)
-                traceback.print_exc(limit=3)
-                out, ok = {f"{name}_error": f"{type(exc).__name__}:{str(exc)[:120]}".replace(" ", "_")}, False
+                traceback.print_exc(limit=-8)  # the innermost frames: where megatron or torch raised
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                out, ok = {f"{name}_error": f"{type(exc).__name__}:{first[:160]}".replace(" ", "_")}, False
             secs = time.perf_counter() - t0
             passed += ok
             result.update(out)

@@ -1,5 +1,7 @@
 """The layout matrix: loss, every HF-named gradient, and the weights after one optimizer step equal the
 TP1 run's at TP2, TP2+SP, PP2, PP2xVPP2, DP2 (plain and distributed optimizer), TP2xPP2 and TP2xPP2xDP2,
+at TP2 and DP2 with the distributed optimizer without megatron's gloo DP groups (`-nogloo`: the groups as
+under CUDA with nccl, so the optimizer must not ask for them),
 for the loss presets / sequence-level losses (`-loss_*` tags) at DP2, TP2, PP2, PP2xVPP2 and TP2xDP2, and
 with context parallelism at CP2, TP2xCP2, DP2xCP2 and PP2xCP2 (ppo_clip token-mean and gspo).
 
