@@ -8,10 +8,12 @@ import torch
 
 
 def init_device(config):
-    """Where megatron puts a module's parameters at construction: the CPU with use_cpu_initialization, else
-    `torch.cuda.current_device()` (as its own linears and embeddings do; megatron-core never moves a built
-    model, so a norm left on the CPU would meet GPU activations in the first forward)."""
-    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    """Where megatron puts a module's parameters at construction: the default device with
+    use_cpu_initialization, else `torch.cuda.current_device()` (as its own linears and embeddings do;
+    megatron-core never moves a built model, so a norm left on the CPU would meet GPU activations in the first
+    forward)."""
+    return None if config.use_cpu_initialization else torch.cuda.current_device()  # None: the default device
+    # (the CPU, or meta under `with torch.device("meta")` when --print-plan builds a 72B model to count it)
 
 
 class SPRMSNorm(torch.nn.RMSNorm):
