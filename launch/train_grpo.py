@@ -44,7 +44,9 @@ def prepare_tiny_model(cfg, rank: int) -> None:
 
         from mgrpo.models.tiny import make_tiny_hf
 
-        if not made():
+        if not made():  # the first line the run prints: a folder outside the output folder may be written here
+            print(f"mgrpo: model.path={path} has no model: writing a random tiny {tiny.family} model there "
+                  f"(model.tiny)", flush=True)
             t = asdict(tiny)
             make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
                          num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],

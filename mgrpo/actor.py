@@ -63,17 +63,22 @@ class Actor:
                                        compute_entropy=entropy, vocab_size=self.info.vocab_size)
 
     @torch.no_grad()
-    def logprobs(self, microbatches: list) -> list:
-        """Per-token logprobs [b, L] per micro-batch on the last pipeline stage; [] elsewhere."""
+    def logprobs(self, microbatches: list, entropy: bool = False):
+        """Per-token logprobs [b, L] per micro-batch on the last pipeline stage ([] elsewhere); with `entropy`,
+        (logprobs, entropies) from the same fused-kernel pass."""
         for c in self.chunks:
             c.eval()
 
         def loss_fn(mb, logits):
-            logp, _ = self._logprobs(mb, logits)
-            return logits.sum() * 0.0, {"logp": logp * mb["loss_mask"]}
+            logp, ent = self._logprobs(mb, logits, entropy=entropy)
+            out = {"logp": logp * mb["loss_mask"]}
+            if entropy:
+                out["entropy"] = ent * mb["loss_mask"]
+            return logits.sum() * 0.0, out
 
         stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=True)
-        return [s["logp"] for s in stats]
+        logps = [s["logp"] for s in stats]
+        return (logps, [s["entropy"] for s in stats]) if entropy else logps
 
     def forward_backward(self, microbatches: list) -> list:
         """Gradients of the batch loss into the DDP grad buffers (`param.main_grad`); per-micro-batch stats."""
@@ -99,12 +104,17 @@ class Actor:
             else:  # the engine/trainer mismatch is always worth seeing (e.g. top-p/top-k truncation)
                 diag = rollout_offpolicy_metrics(old, mb["rollout_logp"], mask, has_rollout=mb.get("has_rollout"))
                 stats.update({f"rollout_is/{k}": v for k, v in diag.items()})
-            per_token, metrics = fn(logp, old, mb["advantages"], mask, alg,
+            advantages, keep = mb["advantages"], mb.get("entropy_mask")
+            if keep is not None:  # the top-entropy token mask: the others lose their policy term (loss/entropy_mask.py)
+                advantages = advantages * keep
+            per_token, metrics = fn(logp, old, advantages, mask, alg,
                                     ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
                                     seq_sum=self.seq_sum)
             if alg.entropy_coef:
                 per_token = per_token - alg.entropy_coef * entropy * mask
             metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
+            if keep is not None:
+                metrics["entropy_mask_frac"] = (keep * mask).sum() / mask.sum().clamp_min(1)
             weighted = (per_token * mb["token_weight"]).sum()
             tokens = mask.sum()
             stats = {k: v.detach() * tokens for k, v in {**stats, **metrics}.items()}

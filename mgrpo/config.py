@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from mgrpo.config_checks import suggest
+from mgrpo.config_checks import must, suggest
 
 
 class ConfigError(ValueError):
@@ -124,14 +124,17 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    loss_type: Optional[str] = None  # ms-swift preset: grpo | bnpo | dr_grpo | dapo | cispo; fills only unset fields
+    loss_type: Optional[str] = None  # ms-swift preset: grpo|bnpo|dr_grpo|dapo|cispo|sapo; fills only unset fields
     advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus (ms-swift) | reinforce_plus_plus_baseline (verl)
     scale_rewards: Optional[str] = None  # group | batch | none; null = the estimator's default
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | gspo_token | cispo
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | gspo_token | cispo | sapo
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     epsilon_low: Optional[float] = None  # null = the policy loss's default (ppo_clip 0.2, gspo 3e-4)
     epsilon_high: Optional[float] = None  # (ppo_clip 0.2, gspo 4e-4, cispo: absolute ratio cap 5.0)
     clip_ratio_c: Optional[float] = None  # dual clip where A < 0 (> 1; verl uses 3.0); null = off, as ms-swift
+    tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (ms-swift --tau_pos; the paper's default)
+    tau_neg: float = 1.05  # SAPO's gate temperature where A < 0 (ms-swift --tau_neg; the paper's default)
+    top_entropy_quantile: float = 1.0  # < 1: only the mini-batch's top-q entropy tokens train (1.0 = off)
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy (the initial weights)
     kl_estimator: str = "k3"  # k1 | k2 | k3 as a loss term
     kl_in_reward: bool = False  # subtract kl_coef * k1 (per sequence) from the reward instead
@@ -221,6 +224,7 @@ class LoggingConfig:
     wandb: Optional[WandbConfig] = None  # e.g. {project: grpo, name: qwen7b, mode: offline}
     completions_interval: int = 10  # completions.jsonl every N steps (and the first); 0 = never
     completions_token_ids: bool = False  # also write prompt/response token ids
+    log_entropy: bool = False  # also write each response token's entropy (the rollout policy's) to completions
     report: bool = True  # report.png at the end of the run (also: python -m mgrpo.report OUTPUT_DIR)
 
 
@@ -341,11 +345,14 @@ def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
         node = nested
         parts = dotted.split(".")
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if not isinstance(node.get(part), dict):  # `--model.tiny --model.tiny.seed 3`: the dotted key wins
+                node[part] = {}
+            node = node[part]
         value = yaml.safe_load(inline)
         if dotted == "rollout.servers" and isinstance(value, str):  # --rollout.servers URL1,URL2
             value = [u for u in value.split(",") if u]
-        node[parts[-1]] = value
+        if not (value is True and isinstance(node.get(parts[-1]), dict)):  # `--model.tiny` after --model.tiny.x
+            node[parts[-1]] = value
     if errors:
         raise ConfigError(errors)
     return config_path, nested
@@ -372,8 +379,10 @@ def validate(cfg: Config) -> list[str]:
     if p.sp and p.tp < 2:
         e.append("parallel.sp=true needs parallel.tp >= 2; set --tp 2 or --sp false")
     w = cfg.model.tiny.warm_start if cfg.model.tiny else None
-    if w is not None and (w.task != "addition" or w.steps < 1 or not 0 <= w.low <= w.high):
-        e.append(f"model.tiny.warm_start: task must be addition (got {w.task!r}), steps >= 1 and 0 <= low <= high")
+    if w is not None:
+        e += must("model.tiny.warm_start.task", w.task, w.task == "addition", "addition (the one warm-start task)")
+        e += must("model.tiny.warm_start.steps", w.steps, w.steps >= 1, ">= 1")
+        e += must("model.tiny.warm_start.low", w.low, 0 <= w.low <= w.high, "in [0, model.tiny.warm_start.high]")
     if not cfg.model.path:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
@@ -409,17 +418,18 @@ def validate(cfg: Config) -> list[str]:
     names = check_algorithm_names(a)
     e += names or check_algorithm_numbers(a)
     e += check_sampling(a)
-    if t.steps < 1 or t.micro_batch_size < 1:
-        e.append("train.steps and train.micro_batch_size must be >= 1")
-    if t.steps_per_generation < 1 or t.num_iterations < 1:
-        e.append("train.steps_per_generation and train.num_iterations must be >= 1")
-    elif r.prompts_per_step * r.n % t.steps_per_generation:
+    for name in ("steps", "micro_batch_size", "steps_per_generation", "num_iterations"):
+        e += must(f"train.{name}", getattr(t, name), getattr(t, name) >= 1, ">= 1")
+    if t.steps_per_generation >= 1 and r.prompts_per_step * r.n % t.steps_per_generation:
         e.append(f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
                  f"train.steps_per_generation={t.steps_per_generation}; choose a divisor")
     if t.lr_schedule not in ("constant", "linear", "cosine"):
         e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
-    if t.warmup_steps < 0 or not 0 <= t.min_lr <= t.lr:
-        e.append(f"train.warmup_steps={t.warmup_steps} must be >= 0 and train.min_lr={t.min_lr} in [0, train.lr]")
+    e += must("train.lr", t.lr, t.lr > 0, "> 0", "the peak learning rate, e.g. 1e-6")
+    e += must("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0", "0 = no warmup")
+    if t.lr > 0:
+        e += must("train.min_lr", t.min_lr, 0 <= t.min_lr <= t.lr, f"in [0, train.lr={t.lr}]",
+                  "the LR the schedule decays to, e.g. 0")
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
     return e
 
@@ -440,6 +450,10 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
     if model_info.num_hidden_layers % chunks:
         e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
                  f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it")
+    if p.ep > 1:
+        from mgrpo.config_checks import expert_layout_problems
+
+        e += expert_layout_problems(p, model_info, cfg.model.path, world_size)
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
         e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
@@ -464,6 +478,15 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
         e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
                  ".cuda() on the shared embedding); use pp=1 or an untied model")
     return e
+
+
+def _tiny_only_for_its_path(cfg: Config, data: dict, overrides: dict) -> None:
+    """`model.tiny` writes a random model at `model.path` when the folder is missing. It applies only to the path
+    named beside it: a `--model.path` flag over a YAML that names `model.tiny` turns it off (a typo must not
+    become a random model), unless `--model.tiny` is given too."""
+    flags = _user_sources({}, overrides, "model")
+    if cfg.model.tiny is not None and "path" in flags and "tiny" not in flags:
+        cfg.model.tiny = None
 
 
 def _user_sources(data: dict, overrides: dict, section: str) -> dict:
@@ -508,6 +531,13 @@ def describe_algorithm(cfg: Config) -> str:
             owner = a.advantage if f.name == "scale_rewards" else a.policy_loss
             value, note = eps[f.name], f" = {owner}'s default"
         lines.append(f"  {f.name:<22} {value!s:<24} ({sources.get(f.name, 'default')}{note})")
+    if a.policy_loss == "sapo":
+        lines.append(f"  source: sapo = Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv:2511.20347; "
+                     f"ms-swift loss_type sapo): gate sigmoid(tau (r - 1)) 4/tau, tau_pos {a.tau_pos}, "
+                     f"tau_neg {a.tau_neg}")
+    if a.top_entropy_quantile < 1:
+        lines.append(f"  source: top_entropy_quantile = the top {a.top_entropy_quantile:g} of each mini-batch's "
+                     f"tokens by entropy train (Wang et al. 2025, arXiv:2506.01939; ms-swift --top_entropy_quantile)")
     if a.loss_type:
         from mgrpo.loss.presets import preset_values
 
@@ -536,6 +566,9 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
             except yaml.YAMLError as exc:
                 raise ConfigError([f"{path}: invalid YAML ({exc})"]) from None
     errors: list[str] = []
+    if overrides.get("model", {}).get("tiny") is True:  # bare --model.tiny: the YAML's tiny model at --model.path
+        yaml_model = data.get("model") if isinstance(data, dict) else None
+        overrides["model"]["tiny"] = dict((yaml_model or {}).get("tiny") or {})
     cfg = _build(Config, _merge(data, overrides), "", errors)
     if not errors and cfg.external_plugins:  # before validation: plugins add the names it checks
         from mgrpo.plugins import PluginError, load_plugins
@@ -547,6 +580,7 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
         except PluginError as exc:
             errors.append(str(exc))
     if not errors:
+        _tiny_only_for_its_path(cfg, data if isinstance(data, dict) else {}, overrides)
         _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
         found = validate(cfg)
         errors += found if check_files else [x for x in found if not x.startswith(("data.path", "eval.path"))]

@@ -5,6 +5,11 @@ import difflib
 import os
 
 
+def must(name: str, value, ok: bool, rule: str, fix: str = "") -> list:
+    """[] when `ok`, else the one message for this field: "NAME=VALUE must be RULE; FIX"."""
+    return [] if ok else [f"{name}={value!r} must be {rule}" + (f"; {fix}" if fix else "")]
+
+
 def suggest(name: str, options) -> str:
     """The closest known name as a hint for a message, or the list of known ones."""
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
@@ -19,7 +24,8 @@ def check_algorithm_names(a) -> list:
     from mgrpo.loss.rollout_correction import MODES as IS_MODES
 
     e = []
-    checks = [("loss_type", a.loss_type, list(PRESETS), True), ("advantage", a.advantage, registered("advantage"), False),
+    checks = [("loss_type", a.loss_type, list(PRESETS), True),
+              ("advantage", a.advantage, registered("advantage"), False),
               ("policy_loss", a.policy_loss, registered("policy_loss"), False),
               ("aggregation", a.aggregation, list(AGGREGATIONS), False),
               ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
@@ -41,8 +47,10 @@ def check_vllm(r) -> list:
         e.append(f"rollout.vllm.dtype={v.dtype!r}; use auto, float32, bfloat16 or float16")
     if v.update_ring is not None and (v.update_ring < 0 or v.update_ring == 1):
         e.append(f"rollout.vllm.update_ring={v.update_ring}; use 0 (stage the whole update) or >= 2")
-    if not 0 < v.gpu_memory_utilization <= 1 or v.kv_cache_gb <= 0 or v.tensor_parallel_size < 1:
-        e.append("rollout.vllm.gpu_memory_utilization must be in (0, 1], kv_cache_gb > 0, tensor_parallel_size >= 1")
+    e += must("rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization, 0 < v.gpu_memory_utilization <= 1,
+              "in (0, 1]", "the share of GPU memory vLLM may take, e.g. 0.5")
+    e += must("rollout.vllm.kv_cache_gb", v.kv_cache_gb, v.kv_cache_gb > 0, "> 0", "the CPU KV cache in GB, e.g. 1")
+    e += must("rollout.vllm.tensor_parallel_size", v.tensor_parallel_size, v.tensor_parallel_size >= 1, ">= 1")
     return e
 
 
@@ -79,17 +87,16 @@ def check_remote(r) -> list:
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
-    if m.retries < 0 or m.max_inflight_per_server < 1:
-        e.append(f"rollout.remote.retries={m.retries} must be >= 0 and max_inflight_per_server="
-                 f"{m.max_inflight_per_server} >= 1")
+    e += must("rollout.remote.retries", m.retries, m.retries >= 0, ">= 0", "0 = never retry a request")
+    e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
+              ">= 1")
     return e
 
 
 def check_checkpoint(c) -> list:
     e = []
-    if c.save_interval < 0 or c.keep_last < 0:
-        e.append(f"checkpoint.save_interval={c.save_interval} and checkpoint.keep_last={c.keep_last} must be >= 0 "
-                 f"(0 = never save / keep all)")
+    e += must("checkpoint.save_interval", c.save_interval, c.save_interval >= 0, ">= 0", "0 = never save")
+    e += must("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0", "0 = keep all")
     if (c.save_interval or c.export_hf_at_end) and not c.save_dir:
         e.append("checkpoint.save_interval or checkpoint.export_hf_at_end is set but checkpoint.save_dir is empty; "
                  "give a folder for the checkpoints")
@@ -119,6 +126,12 @@ def check_algorithm_numbers(a) -> list:
         if high is not None and high <= 0:
             e.append(f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
                      f"use e.g. 0.2 or 0.28")
+    e += must("algorithm.tau_pos", a.tau_pos, a.tau_pos > 0, "> 0 (SAPO's gate temperature where A > 0)",
+              "the paper's default is 1.0")
+    e += must("algorithm.tau_neg", a.tau_neg, a.tau_neg > 0, "> 0 (SAPO's gate temperature where A < 0)",
+              "the paper's default is 1.05")
+    e += must("algorithm.top_entropy_quantile", a.top_entropy_quantile, 0 < a.top_entropy_quantile <= 1,
+              "in (0, 1]", "the share of highest-entropy tokens that train, e.g. 0.2; 1.0 = off")
     if a.kl_coef < 0:
         e.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
                  f"reference); use 0 to turn KL off")
@@ -158,8 +171,8 @@ def check_eval(cfg) -> list:
         _check_path(v.path, "eval.path")
     if v.n < 1:
         e.append(f"eval.n={v.n} must be >= 1")
-    if v.temperature < 0 or not 0 < v.top_p <= 1:
-        e.append(f"eval.temperature={v.temperature} must be >= 0 (0 = greedy) and eval.top_p={v.top_p} in (0, 1]")
+    e += must("eval.temperature", v.temperature, v.temperature >= 0, ">= 0", "0 = greedy")
+    e += must("eval.top_p", v.top_p, 0 < v.top_p <= 1, "in (0, 1]", "1.0 = off")
     if v.temperature == 0 and v.n > 1:
         e.append(f"eval.n={v.n} greedy samples would all be the same; set eval.temperature > 0 or eval.n=1")
     if v.max_tokens is not None and v.max_tokens < 1:
@@ -212,6 +225,22 @@ def check_rewards(rw) -> list:
     if rw.weights is not None and len(rw.weights) != len(rw.funcs or []):
         e.append(f"reward.weights has {len(rw.weights)} entries for {len(rw.funcs or [])} reward.funcs; give one "
                  f"weight per function or null (all 1)")
-    if rw.timeout_s <= 0 or rw.workers < 1:
-        e.append(f"reward.timeout_s={rw.timeout_s} must be > 0 and reward.workers={rw.workers} >= 1")
+    e += must("reward.timeout_s", rw.timeout_s, rw.timeout_s > 0, "> 0 seconds")
+    e += must("reward.workers", rw.workers, rw.workers >= 1, ">= 1")
+    return e
+
+
+def expert_layout_problems(p, model_info, model_path: str, world_size: int) -> list:
+    """--ep > 1, checked as megatron-core 0.16 would check it at initialize_model_parallel, before any group."""
+    experts = model_info.num_experts
+    if not experts:
+        return [f"parallel.ep={p.ep} needs a mixture-of-experts model; {model_path} ({model_info.architecture}) has "
+                f"none; use --ep 1"]
+    e = []
+    if experts % p.ep:
+        e.append(f"parallel.ep={p.ep} does not divide num_experts={experts}; choose an ep that divides it")
+    etp = p.tp  # megatron's expert_tensor_parallel_size defaults to the tensor-parallel size
+    if world_size % (etp * p.ep * p.pp):
+        e.append(f"world size {world_size} is not divisible by expert-tp x ep x pp = {etp} x {p.ep} x {p.pp}; "
+                 f"launch a multiple of {etp * p.ep * p.pp} processes or lower --ep")
     return e

@@ -14,6 +14,11 @@ from tqdm import tqdm
 SHOWN = {"reward/mean": "reward", "actor/kl_old": "kl_old", "actor/clip_frac": "clip", "perf/tokens_per_s": "tok/s"}
 
 
+def entropy_due(g, step: int) -> bool:
+    """Whether this step's completions carry per-token entropies (the same answer on every rank)."""
+    return bool(g.log_entropy and g.completions_interval and step % g.completions_interval == 0)
+
+
 def cut_back(path: str, first_step: int) -> None:
     """Keep only the rows of steps before `first_step` (a resumed run appends the rest): tmp file, then rename."""
     if not os.path.isfile(path):
@@ -139,12 +144,13 @@ class RunLogger:
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val/pass@"))
         print(f"mgrpo: validation before training: {shown}", flush=True)
 
-    def log_completions(self, step: int, samples: list, advantages, tokenizer) -> None:
-        """Every completions_interval steps (and the first): texts, rewards, advantage, finish, weight version."""
+    def log_completions(self, step: int, samples: list, advantages, tokenizer, entropies=None) -> None:
+        """Every completions_interval steps (and the first): texts, rewards, advantage, finish, weight version;
+        with logging.log_entropy each response token's entropy (`entropy_due` steps; None where not trained)."""
         g = self.cfg.logging
         if not self.enabled or self.completions is None or step % g.completions_interval:
             return
-        for s, adv in zip(samples, advantages):
+        for k, (s, adv) in enumerate(zip(samples, advantages)):
             row = {"step": step, "group": s.group_id, "prompt": tokenizer.decode(s.prompt_ids),
                    "completion": tokenizer.decode(s.response_ids), "rewards": s.info.get("rewards", {}),
                    "reward": s.reward, "advantage": float(adv), "finish_reason": s.finish_reason,
@@ -153,6 +159,8 @@ class RunLogger:
                 row["reward_failed"] = s.info["reward_failed"]
             if g.completions_token_ids:
                 row.update(prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+            if entropies is not None:
+                row["token_entropy"] = entropies[k]
             self.completions.write(json.dumps(row) + "\n")
         self.completions.flush()
 

@@ -23,7 +23,8 @@ from mgrpo.parallel.state import holds_metrics
 # loss-side names (actor.train_step stats) -> logged names
 _ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
           "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
-          "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss"}
+          "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss",
+          "sapo_grad_weight": "actor/sapo_grad_weight", "entropy_mask_frac": "actor/entropy_mask_frac"}
 
 
 def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
@@ -41,8 +42,12 @@ def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
 def loss_metric_keys(alg) -> list:
     """The same list on every rank (only last-stage ranks hold the values): a collective needs equal sizes."""
     keys = ["clip_frac", "approx_kl", "entropy"]
-    if alg.policy_loss != "cispo":
+    if alg.policy_loss == "sapo":
+        keys.append("sapo_grad_weight")  # the gate's mean gradient weight (1 on-policy)
+    elif alg.policy_loss != "cispo":
         keys += ["clip_frac_low", "clip_frac_high"] + (["dual_clip_frac"] if alg.clip_ratio_c is not None else [])
+    if alg.top_entropy_quantile < 1:
+        keys.append("entropy_mask_frac")  # share of loss tokens the top-entropy mask keeps
     if alg.kl_coef > 0 and not alg.kl_in_reward:
         keys.append("kl")  # the KL loss term against the reference
     keys += [f"rollout_is/{k}" for k in ("rollout_logp_abs_diff", "rollout_kl_k1", "rollout_kl_k3")]

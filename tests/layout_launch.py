@@ -19,6 +19,7 @@ WORKER = os.path.join(HERE, "parallel", "layout_worker.py")
 
 LAUNCHES = {
     2: ["tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2", "dp2-distopt", "tp2-wrongshard", "dp2-distopt-nogloo", "tp2-nogloo",
+        "dp2-topent", "cp2-topent", "pp2-topent", "dp2-topent-rankq", "dp2-loss_sapo", "cp2-loss_sapo",
         "roundtrip:tp2", "roundtrip:pp2", "roundtrip:pp2-vpp2",
         "tp2-loss_grpo", "pp2-vpp2-loss_grpo", "dp2-loss_dr_grpo", "pp2-loss_gspo", "dp2-loss_cispo",
         "cp2", "cp2-loss_gspo", "cp2-loss_gspo-localseq", "cp2-nozigzag"],
@@ -28,7 +29,7 @@ LAUNCHES = {
         "tp2-cp2", "dp2-cp2", "pp2-cp2", "tp2-cp2-loss_gspo", "dp2-cp2-loss_gspo", "pp2-cp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
 }
-LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo"]  # TP1 references run in-process
+LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo", "loss_sapo"]  # TP1 refs in-process
 
 
 class Results(str):
@@ -80,6 +81,10 @@ def run_all_launches(tiny_dirs, tmp_path_factory):
         cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
                                 "--train.adam_eps", "0.001", "--train.micro_batch_size", "2", flag, name])
         run_layout(cfg, model, samples, str(out), f"tp1-{variant}")
+    topent = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
+                               "--train.adam_eps", "0.001", "--train.micro_batch_size", "2",
+                               "--algorithm.top_entropy_quantile", "0.3"])
+    run_layout(topent, model, samples, str(out), "tp1-topent")
     for k in (2, 4):  # the first of k mini-batches: its own samples, its own aggregation counts
         run_layout(ref_cfg, model, samples[: len(samples) // k], str(out), f"tp1-mb{k}")
     run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")

@@ -41,7 +41,7 @@ def launch(root, name: str, *extra, nproc: int = 1, pause: str | None = None, ou
     out = output or str(root / name)
     prefix = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                   f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
-    cmd = prefix + [LAUNCHER, *COMMON, "--model.path", str(root / "model"), "--logging.output_dir", out,
+    cmd = prefix + [LAUNCHER, *COMMON, "--model.path", str(root / "model"), "--model.tiny", "--logging.output_dir", out,
                     "--checkpoint.save_dir", str(root / f"{name}-ckpt"), *extra]
     marker = str(root / f"{name}.paused")
     if os.path.exists(marker):

@@ -94,7 +94,8 @@ def run_launch(args, world_size=1):
 
 @pytest.mark.parametrize("case", ["tp_heads", "pp_layers", "world", "arch", "tied_pp", "yaml_key", "missing_data",
                                   "row_without_prompt", "dp_divisible", "missing_shard", "clip_ratio_c",
-                                  "pp_micro_batch"])
+                                  "pp_micro_batch", "lr_negative", "lr_zero", "ep_dense", "typo_model_path",
+                                  "tau_neg", "entropy_quantile"])
 def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dirs):
     model = tiny_dirs("launch_qwen2", family="qwen2", num_layers=2)
     data = tmp_path / "d.jsonl"
@@ -134,6 +135,22 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
         args, world = ["--pp", "2", "--rollout.prompts_per_step", "4", "--rollout.n", "4",
                        "--train.micro_batch_size", "5"], 2
         expect = "train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 16 samples"
+    elif case in ("lr_negative", "lr_zero"):  # its own message, not warmup_steps' or min_lr's
+        value = "-1" if case == "lr_negative" else "0"
+        args, expect = ["--train.lr", value], f"train.lr={float(value)} must be > 0"
+    elif case == "ep_dense":
+        args, world = ["--ep", "2"], 2
+        expect = f"parallel.ep=2 needs a mixture-of-experts model; {model} (Qwen2ForCausalLM) has none"
+    elif case == "typo_model_path":  # the YAML's tiny model is for the YAML's path, not for a typo on the command line
+        base["model"] = {"path": str(tmp_path / "yaml_model"), "tiny": {"family": "qwen2", "num_layers": 2}}
+        args = ["--model.path", str(tmp_path / "typo")]
+        expect = f"{tmp_path / 'typo'}/config.json: not found; model.path must be an HF model folder"
+    elif case == "tau_neg":
+        args = ["--algorithm.loss_type", "sapo", "--algorithm.tau_neg", "-1"]
+        expect = "algorithm.tau_neg=-1.0 must be > 0"
+    elif case == "entropy_quantile":
+        args = ["--algorithm.top_entropy_quantile", "1.5"]
+        expect = "algorithm.top_entropy_quantile=1.5 must be in (0, 1]"
     elif case == "missing_shard":
         from safetensors.torch import load_file
 
@@ -152,6 +169,7 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     assert len(lines) == 1, f"expected one line, got: {lines}"
     assert expect in lines[0], lines[0]
     assert not (tmp_path / "o").exists(), "nothing is written before validation passes"
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "yaml_model").exists()
 
 
 # ------------------------------------------------------------------ presets fill only what the user left unset
@@ -250,3 +268,17 @@ def test_scheduler_fields_all_reported_at_once(tmp_path, data_file):
     for name in ("gym", "gym_scheduler", "tool_call", "tool_call_scheduler", "math_tips", "math_tip_trick",
                  "single_turn"):
         assert load_config(argv=["--config", path, "--rollout.scheduler", name]).rollout.scheduler == name
+
+
+def test_the_yaml_tiny_model_is_only_for_the_yaml_path(tmp_path):
+    """model.tiny applies to the path named beside it; a --model.path flag turns it off unless --model.tiny (or a
+    --model.tiny.* key) is given too."""
+    yaml_file = os.path.join(ROOT, "examples", "tiny_cpu.yaml")
+    kept = load_config(yaml_file, check_files=False)
+    assert kept.model.tiny is not None and kept.model.path == "outputs/tiny_cpu/model"
+    other = str(tmp_path / "other")
+    assert load_config(yaml_file, ["--model.path", other], check_files=False).model.tiny is None
+    for extra in (["--model.tiny"], ["--model.tiny.num_layers", "3"], ["--model.tiny.num_layers", "3", "--model.tiny"]):
+        cfg = load_config(yaml_file, ["--model.path", other, *extra], check_files=False)
+        assert cfg.model.tiny is not None and cfg.model.tiny.hidden_size == 128, extra
+        assert cfg.model.tiny.num_layers == (3 if len(extra) > 1 else 4), extra

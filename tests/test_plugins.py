@@ -38,7 +38,7 @@ def test_plugin_file_registers_all_kinds_and_a_run_uses_them(tmp_path):
            "--reward.funcs", "[short_answer, swift_digits, env_reward, hangs_once]", "--reward.weights", "null",
            "--reward.timeout_s", "2", "--rollout.scheduler", "countdown_gym",
            "--algorithm.policy_loss", "ppo_clip_halved", "--train.steps", "2", "--rollout.prompts_per_step", "4",
-           "--model.path", str(tmp_path / "model"), "--logging.output_dir", str(tmp_path / "run"),
+           "--model.path", str(tmp_path / "model"), "--model.tiny", "--logging.output_dir", str(tmp_path / "run"),
            "--logging.progress_bar", "false", "--logging.completions_interval", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -61,6 +61,7 @@ def test_bad_plugin_paths_and_unknown_names_are_one_line(tmp_path):
                             (["--external-plugins", str(broken)], "broken.py raised RuntimeError: oops"),
                             (["--reward.funcs", "[acuracy]"], "did you mean 'accuracy'?")):
         r = subprocess.run([sys.executable, LAUNCH, "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-                            "--model.path", str(tmp_path / "model"), *extra], capture_output=True, text=True,
+                            "--model.path", str(tmp_path / "model"), "--model.tiny", *extra],
+                           capture_output=True, text=True,
                            cwd=ROOT, env=_env(), timeout=300)
         assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

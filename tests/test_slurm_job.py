@@ -28,7 +28,7 @@ def submit(tmp, extra: str, launcher: str = "srun") -> str:
                                                             "MASTER_PORT")}
     env.update(PYTHON=sys.executable, CONFIG="examples/tiny_cpu.yaml", GPUS_PER_NODE="2", LAUNCHER=launcher,
                LOG_DIR=str(tmp / "logs"), MASTER_PORT=str(29600 + os.getpid() % 300),
-               EXTRA_ARGS=f"--tp 2 --model.path {tmp}/model --logging.output_dir {tmp}/out "
+               EXTRA_ARGS=f"--tp 2 --model.path {tmp}/model --model.tiny --logging.output_dir {tmp}/out "
                           f"--logging.report false --logging.progress_bar false {extra}")
     out = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--ntasks-per-node", "2", "--output",
                           str(tmp / "job-%j.out"), os.path.join(ROOT, "launch", "slurm", "train_grpo.sbatch")],

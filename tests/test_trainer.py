@@ -77,7 +77,7 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
                                                              "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
            os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-           "--tp", "2", "--pp", "2", "--train.steps", "2", "--model.path", str(tmp_path / "model"),
+           "--tp", "2", "--pp", "2", "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--model.tiny",
            "--checkpoint.save_dir", str(tmp_path / "ckpt"), "--checkpoint.save_interval", "2",
            "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
            "--algorithm.kl_coef", "0.01", "--algorithm.entropy_coef", "0.001", "--algorithm.rollout_is_mode", "tis"]
@@ -147,7 +147,8 @@ def _launch(tmp_path, name, *extra, nproc=2):
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-           "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--logging.output_dir", str(out),
+           "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--model.tiny",
+           "--logging.output_dir", str(out),
            "--logging.progress_bar", "false", "--logging.completions_interval", "1",
            "--logging.completions_token_ids", "true", "--logging.report", "false", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)

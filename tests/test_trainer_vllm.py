@@ -22,7 +22,7 @@ def _launch(tmp_path, name, nproc, config, *extra):
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", config),
-           "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"),
+           "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"), "--model.tiny",
            "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--logging.report", "false", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -39,14 +39,50 @@ class GenerationBatch:
     group_ids: torch.Tensor
     lengths: list  # loss tokens per sample (0 for failed samples)
     needs_old_logprobs: bool
+    entropy_quantile: float = 1.0  # < 1: the top-entropy token mask (loss/entropy_mask.py)
+    log_entropy: bool = False  # per-token entropies for completions.jsonl this step
 
     def set_logprobs(self, key: str, actor) -> None:
         """`actor`'s logprobs for every micro-batch of every mini-batch (only last-stage ranks get any; zeros
-        stand in elsewhere). Runs before the first update, so old logprobs are the rollout policy's."""
+        stand in elsewhere). Runs before the first update, so old logprobs are the rollout policy's. The old
+        pass also gives the entropies (same fused kernel) when the entropy mask or the entropy log wants them."""
+        entropy = key == "old_logp" and (self.entropy_quantile < 1 or self.log_entropy)
         for mini in self.minibatches:
-            logps = actor.logprobs(mini.microbatches)
+            logps, ents = actor.logprobs(mini.microbatches, entropy=True) if entropy else \
+                (actor.logprobs(mini.microbatches), None)
             for i, mb in enumerate(mini.microbatches):
                 mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
+                if ents:
+                    mb["entropy"] = ents[i]
+            if ents and self.entropy_quantile < 1:  # last-stage ranks, each with its DP x CP group
+                from mgrpo.loss.entropy_mask import set_entropy_masks
+
+                set_entropy_masks(mini.microbatches, self.entropy_quantile,
+                                  mpu.get_data_parallel_group(with_context_parallel=True))
+
+    def sample_entropies(self) -> list | None:
+        """Each sample's per-token entropy over its response (None where the loss mask is 0), on every rank;
+        None when not asked for this step. A collective over the CPU group."""
+        if not self.log_entropy:
+            return None
+        import torch.distributed as dist
+
+        from mgrpo.parallel.device import cpu_group
+        from mgrpo.parallel.state import holds_metrics
+
+        width = max([len(s.response_ids) for s in self.samples] + [1])
+        out = torch.zeros(len(self.samples), width, dtype=torch.float64)
+        if holds_metrics():  # last stage, TP rank 0: every DP and CP rank adds its own tokens
+            for mini in self.minibatches:
+                for mb in mini.microbatches:
+                    ent, on, pos = (mb[k].detach().cpu() for k in ("entropy", "loss_mask", "position_ids"))
+                    for row, idx in enumerate(mb["sample_index"]):
+                        i = mini.local[idx]
+                        cols = on[row].nonzero().flatten()  # logits at position p predict token p + 1
+                        out[i, pos[row, cols] + 1 - len(self.samples[i].prompt_ids)] = ent[row, cols].double()
+        dist.all_reduce(out, group=cpu_group())
+        return [[round(float(out[i, j]), 4) if on else None for j, on in enumerate(s.loss_mask)]
+                for i, s in enumerate(self.samples)]
 
     def set_advantages(self, advantages) -> None:
         for mini in self.minibatches:
@@ -76,7 +112,8 @@ def describe_batching(cfg, dp: int) -> str:
             f"micro-batch(es) of <= {mbs}; {old}")
 
 
-def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -> GenerationBatch:
+def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
+                           log_entropy: bool = False) -> GenerationBatch:
     alg, t = cfg.algorithm, cfg.train
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
                            dtype=torch.float64)
@@ -108,9 +145,10 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True) -
                                 token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
                                 cp_size=cfg.parallel.cp, device=device())
         minis.append(MiniBatch(mbs, [idx[i] for i in local]))
-    needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0)
+    needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0) \
+        or alg.top_entropy_quantile < 1 or log_entropy  # entropies come from the old-logprob pass
     return GenerationBatch(samples, minis, rewards, valid, torch.tensor([s.group_id for s in samples]),
-                           [sum(s.loss_mask) for s in samples], needs_old)
+                           [sum(s.loss_mask) for s in samples], needs_old, alg.top_entropy_quantile, log_entropy)
 
 
 def sequence_kl(batch: GenerationBatch) -> torch.Tensor:

@@ -27,6 +27,12 @@ Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`
 - ``cispo``: ``-sg[min(r, eps_high)] * A * logp``; ``eps_high`` is an absolute cap on the detached token ratio
   (default 5.0, ms-swift's recommendation after ScaleRL), ``eps_low`` is not used. The clipped ratio is a weight, so
   every token keeps the REINFORCE gradient ``-w A grad logp``.
+- ``sapo`` (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv:2511.20347; ms-swift's ``loss_type sapo``,
+  ``--tau_pos/--tau_neg``): ``-f(r; tau) A`` with the soft gate ``f(r; tau) = sigmoid(tau (r - 1)) 4 / tau`` in
+  place of the hard clip, ``tau = cfg.tau_pos`` where ``A > 0`` and ``cfg.tau_neg`` where ``A < 0`` (defaults 1.0 /
+  1.05: negative advantages decay faster). ``df/dr = 4 s (1 - s)`` with ``s = sigmoid(tau (r - 1))`` is 1 at
+  ``r = 1``, so on-policy it is the plain policy gradient; off-policy tokens are attenuated smoothly, never cut.
+  No epsilons. Its ``clip_frac`` is the share of tokens whose gradient weight ``4 s (1 - s)`` is below 1/2.
 
 The log ratio is clamped to ``[-20, 20]`` before ``exp`` (verl's bound), so a token with advantage 0 and a huge
 ratio gives 0, never ``0 * inf = NaN``; where the clamp is active the token has no gradient through the ratio.
@@ -47,6 +53,7 @@ DEFAULT_EPSILONS = {
     "gspo": (3e-4, 4e-4),
     "gspo_token": (3e-4, 4e-4),
     "cispo": (None, 5.0),
+    "sapo": (None, None),  # no clip: the gate's temperatures are cfg.tau_pos / cfg.tau_neg
 }
 DUAL_CLIP_VERL = 3.0  # verl's clip_ratio_c; ours is off unless cfg.clip_ratio_c is set
 LOG_RATIO_CLAMP = 20.0
@@ -198,9 +205,31 @@ def cispo(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weigh
     return _finish(term, logp_on, mask, on, cfg, ref_logp, rollout_is_weights, metrics)
 
 
+@register_policy_loss("sapo")
+def sapo(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None, seq_sum=None):
+    """SAPO: -sigmoid(tau (r - 1)) * 4 / tau * A, tau = tau_pos where A > 0 else tau_neg (both > 0)."""
+    mask, adv, on, logp_on, log_ratio = _prepare(logp, old_logp, advantages, mask)
+    tau_pos, tau_neg = float(getattr(cfg, "tau_pos", 1.0)), float(getattr(cfg, "tau_neg", 1.05))
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {tau_pos} and {tau_neg}")
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1))
+    term = -(gate * 4 / tau) * adv
+    with torch.no_grad():
+        weight = 4 * gate * (1 - gate)  # df/dr: 1 on-policy
+        metrics = {
+            "clip_frac": _masked_mean((weight < 0.5).to(mask.dtype), mask),
+            "sapo_grad_weight": _masked_mean(weight, mask),
+            "approx_kl": _masked_mean(0.5 * log_ratio.pow(2), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+        }
+    return _finish(term, logp_on, mask, on, cfg, ref_logp, rollout_is_weights, metrics)
+
+
 def policy_loss_names():
     return tuple(DEFAULT_EPSILONS)
 
 
 __all__ = ["DEFAULT_EPSILONS", "DUAL_CLIP_VERL", "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
-           "policy_loss_names"]
+           "sapo", "policy_loss_names"]

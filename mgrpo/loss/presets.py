@@ -13,6 +13,7 @@ bnpo        ppo_clip    token-mean                   group          cfg         
 dr_grpo     ppo_clip    seq-mean-token-sum-norm      none           cfg             1108-1109 (L1245-1247)
 dapo        ppo_clip    token-mean                   group          0.2 / 0.28      1096, 1111-1112 (L1209, L1281-1284)
 cispo       cispo       token-mean                   group          - / 5.0         1111-1112, 1751 (L1192-1194, L1281)
+sapo        sapo        seq-mean-token-mean          group          - (tau 1/1.05)  1093, 1104-1105 (L1192-1204, L1240)
 ==========  ==========  ===========================  =============  ==============  ==============================
 
 ``scale_rewards='group'`` is ms-swift's default for the grpo estimator (seed line 1043). Not from the seed: Dr. GRPO's
@@ -65,6 +66,7 @@ PRESETS: dict[str, Preset] = {
     "dapo": Preset(policy_loss="ppo_clip", aggregation="token-mean", scale_rewards="group",
                    epsilon_low=0.2, epsilon_high=0.28),
     "cispo": Preset(policy_loss="cispo", aggregation="token-mean", scale_rewards="group", epsilon_high=5.0),
+    "sapo": Preset(policy_loss="sapo", aggregation="seq-mean-token-mean", scale_rewards="group"),
 }
 
 

@@ -38,6 +38,12 @@ class ModelInfo:
     mlp_bias: bool = False  # biases on gate/up/down (Llama mlp_bias)
     raw: dict = field(default_factory=dict)
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (HF's num_experts / num_local_experts / n_routed_experts); 0 = dense."""
+        r = self.raw
+        return int(r.get("num_experts") or r.get("num_local_experts") or r.get("n_routed_experts") or 0)
+
 
 def _rope(raw: dict, path: str) -> RopeSpec:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}

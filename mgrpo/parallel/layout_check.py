@@ -31,11 +31,14 @@ def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
 
 
 def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None,
-               weights_fn=None, step: bool = True, gloo_groups: bool | None = None) -> None:
+               weights_fn=None, step: bool = True, gloo_groups: bool | None = None,
+               entropy_per_rank: bool = False) -> None:
     """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step.
 
     `weights_fn(samples)` replaces the configured aggregation weights (negative controls); `gloo_groups=False`
-    builds megatron's groups as under CUDA with nccl (no gloo DP groups)."""
+    builds megatron's groups as under CUDA with nccl (no gloo DP groups). With
+    `algorithm.top_entropy_quantile < 1` the entropy mask is set as the trainer sets it (`entropy_per_rank`: each
+    rank's own quantile, a negative control)."""
     from mgrpo.actor import Actor
     from mgrpo.parallel.state import gloo_groups_created, setup_model_parallel
 
@@ -57,6 +60,8 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
                             cp_size=cfg.parallel.cp)
     for mb in mbs:
         mb["old_logp"] = mb["rollout_logp"]
+    if cfg.algorithm.top_entropy_quantile < 1:
+        _set_entropy_masks(actor, mbs, cfg.algorithm.top_entropy_quantile, entropy_per_rank)
     stats = actor.forward_backward(mbs)
     loss = torch.tensor([sum(float(s["loss_sum"]) for s in stats)], dtype=torch.float64)
     dist.all_reduce(loss, group=mpu.get_data_parallel_group(with_context_parallel=True))
@@ -76,6 +81,16 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
         cfg.checkpoint.save_dir, cfg.model.path = save_to, model_dir
         Saver(cfg).save(actor, 1, {"step": 1, "weight_version": 1})
     dist.barrier()
+
+
+def _set_entropy_masks(actor, mbs, q: float, per_rank: bool) -> None:
+    from mgrpo.loss.entropy_mask import set_entropy_masks
+
+    _, entropies = actor.logprobs(mbs, entropy=True)
+    if entropies:  # last pipeline stage
+        for mb, ent in zip(mbs, entropies):
+            mb["entropy"] = ent
+        set_entropy_masks(mbs, q, None if per_rank else mpu.get_data_parallel_group(with_context_parallel=True))
 
 
 def load_layout(out_dir: str, tag: str) -> dict:

@@ -171,7 +171,7 @@ def check_grpo_step(args, root: str) -> dict:
                                                             "MASTER_PORT")}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
            os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--train.steps", "2", "--rollout.engine", "hf",
-           "--model.path", os.path.join(out_dir, "model"), "--logging.output_dir", out_dir,
+           "--model.path", os.path.join(out_dir, "model"), "--model.tiny", "--logging.output_dir", out_dir,
            "--logging.tensorboard", "false", "--logging.report", "false", "--model.params_dtype", "float32"]
     run_child("grpo_step", cmd, cwd=ROOT, env=env)
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -219,7 +219,8 @@ def check_fused(args, root: str) -> dict:
     mem = f["peak"] / max(n["peak"], 1) if dev().type == "cuda" else float("nan")
     tr = f["s"] / n["s"]
     # both paths compute in fp32 from the same logits: bf16 enters only through the inputs and the stored grad
-    tol = {"lp": 5e-2, "ent": 5e-2, "grad": 1e-2} if dtype == torch.bfloat16 else {"lp": 1e-4, "ent": 1e-4, "grad": 1e-6}
+    tol = ({"lp": 5e-2, "ent": 5e-2, "grad": 1e-2} if dtype == torch.bfloat16
+           else {"lp": 1e-4, "ent": 1e-4, "grad": 1e-6})
     ok = all(d[k] <= tol[k] for k in d) and (mem != mem or mem < 1.0)
     return dict(ok=ok, fused_mem_ratio=f"{mem:.3f}", fused_time_ratio=f"{tr:.2f}", fused_logp_maxdiff=f"{d['lp']:.1e}",
                 fused_entropy_maxdiff=f"{d['ent']:.1e}", fused_grad_maxdiff=f"{d['grad']:.1e}")

@@ -117,6 +117,12 @@ def ref_loss(name, logp, old, adv, mask, cfg, ref=None, w=None):
             elif name == "cispo":
                 r = math.exp(float(logp[b, t] - old[b, t]))
                 v = -min(r, hi) * a * logp[b, t]
+            elif name == "sapo":  # the paper's eq.: f(r) = sigmoid(tau (r - 1)) 4 / tau, loss -f(r) A
+                x = logp[b, t] - old[b, t]
+                if abs(float(x)) > 20:
+                    x = x.detach().clamp(-20, 20)
+                tau = cfg.tau_pos if a > 0 else cfg.tau_neg
+                v = -(1 / (1 + torch.exp(-tau * (torch.exp(x) - 1)))) * (4 / tau) * a
             row.append(_extras(v, b, t, logp, ref, cfg, w))
         rows.append(torch.stack(row))
     return torch.stack(rows)
@@ -133,7 +139,7 @@ def check(actual, expected, logp, W):
     return ga
 
 
-NAMES = ["ppo_clip", "gspo", "gspo_token", "cispo"]
+NAMES = ["ppo_clip", "gspo", "gspo_token", "cispo", "sapo"]
 
 
 def _cfg_for(name, **kw):
@@ -141,6 +147,8 @@ def _cfg_for(name, **kw):
         return cfg_of(**{"epsilon_low": None, "epsilon_high": 5.0, **kw})
     if name.startswith("gspo"):
         return cfg_of(**{"epsilon_low": 3e-4, "epsilon_high": 4e-4, **kw})
+    if name == "sapo":  # not the defaults, so a swapped or ignored temperature shows
+        return cfg_of(**{"tau_pos": 0.8, "tau_neg": 1.6, **kw})
     return cfg_of(**kw)
 
 
@@ -334,7 +342,8 @@ def test_cispo_keeps_gradient_beyond_the_cap():
 def _swift_reference(preset_name, logp, old, rewards, gids, mask, max_len):
     """ms-swift's loss for loss_type=preset_name on one batch, written from the walkthrough (float64 loops)."""
     # advantages (scale_rewards per the preset) -----------------------------------------------------------
-    scale = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group", "cispo": "group"}[preset_name]
+    scale = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group", "cispo": "group",
+             "sapo": "group"}[preset_name]
     groups = {}
     for i, g in enumerate(gids.tolist()):
         groups.setdefault(g, []).append(float(rewards[i]))
@@ -353,6 +362,9 @@ def _swift_reference(preset_name, logp, old, rewards, gids, mask, max_len):
             r = torch.exp(logp[b, t] - old[b, t])
             if preset_name == "cispo":
                 per[b][t] = -min(float(r), hi) * A[b] * logp[b, t]
+            elif preset_name == "sapo":  # ms-swift's SAPO page: -sigmoid(tau (r - 1)) 4/tau A, tau 1.0 / 1.05
+                tau = 1.0 if A[b] > 0 else 1.05
+                per[b][t] = -torch.sigmoid(tau * (r - 1)) * (4 / tau) * A[b]
             else:  # -min(r A, clip(r) A), no dual clip in ms-swift
                 rc = r
                 if float(r) < 1 - lo:
@@ -361,7 +373,7 @@ def _swift_reference(preset_name, logp, old, rewards, gids, mask, max_len):
                     rc = r.detach() * 0 + (1 + hi)
                 per[b][t] = -torch.minimum(r * A[b], rc * A[b])
     tok = [[per[b][t] * mask[b, t] for t in range(L)] for b in range(B)]
-    if preset_name == "grpo":
+    if preset_name in ("grpo", "sapo"):  # ms-swift L1240
         return sum(sum(tok[b]) / max(float(mask[b].sum()), 1.0) for b in range(B)) / B
     if preset_name == "dr_grpo":
         return sum(sum(r) for r in tok) / (B * max_len)
@@ -447,3 +459,29 @@ def test_seq_mean_token_sum_is_verls_definition():
     w = torch.tensor(token_weights(samples, "seq-mean-token-sum"), dtype=DT)
     assert float((w * out).sum()) == pytest.approx(expect, abs=1e-12)
     assert float(aggregate_reference(out, mask, "seq-mean-token-mean")) != pytest.approx(expect)
+
+
+# ---------------------------------------------------------------------------------------------------- sapo
+def test_sapo_gate_is_the_policy_gradient_on_policy_and_smooth_off_it():
+    """At r = 1 the gradient is exactly -A grad logp (f'(1) = 1); far off-policy it decays smoothly but never to
+    exactly 0 as a hard clip would; negative advantages decay faster (tau_neg > tau_pos)."""
+    logp, _, _, _, mask, _ = make_batch(seed=31, spread=0.0)
+    adv = torch.where(torch.arange(logp.shape[0])[:, None] % 2 == 0, 1.0, -1.0).to(DT).expand_as(logp) * mask
+    cfg = _cfg_for("sapo", tau_pos=1.0, tau_neg=1.05)
+    out, m = policy_loss("sapo")(logp, logp.detach(), adv, mask, cfg)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    assert torch.allclose(g, -adv, atol=1e-12) and m["sapo_grad_weight"] == pytest.approx(1.0)
+    assert torch.allclose(out, -2 * adv / torch.where(adv > 0, 1.0, 1.05), atol=1e-12)  # f(1) = 2 / tau
+    far, _ = policy_loss("sapo")(logp, logp.detach() - 3.0, adv, mask, cfg)  # r = e^3
+    (gf,) = torch.autograd.grad(far.sum(), logp)
+    on = mask > 0
+    assert (gf[on].abs() > 0).all() and (gf[on].abs() < 0.5 * adv[on].abs()).all()
+
+
+def test_sapo_negative_control_swapped_temperatures_fail_the_reference():
+    """The reference catches a SAPO that used tau_pos for negative advantages (and the reverse)."""
+    logp, old, _, adv, mask, W = make_batch(seed=37, spread=0.8)
+    cfg = _cfg_for("sapo")
+    out, _ = policy_loss("sapo")(logp, old, adv, mask, _cfg_for("sapo", tau_pos=cfg.tau_neg, tau_neg=cfg.tau_pos))
+    with pytest.raises(AssertionError):
+        check(out, ref_loss("sapo", logp, old, adv, mask, cfg), logp, W)

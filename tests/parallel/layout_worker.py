@@ -31,7 +31,9 @@ def layout_args(spec: str) -> list:
 
             name = part[len("loss_"):]
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
-        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo") or part.startswith("dp"):
+        elif part == "topent":  # the top-entropy token mask, 30% of the tokens
+            args += ["--algorithm.top_entropy_quantile", "0.3"]
+        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
@@ -104,7 +106,8 @@ def main():
                        "nozigzag": contiguous_cp_split}.get(spec.rpartition("-")[2])
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
             gloo = False if "nogloo" in layout.split("-") else None  # megatron's groups as under nccl
-            run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to, gloo_groups=gloo)
+            run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to, gloo_groups=gloo,
+                       entropy_per_rank="rankq" in layout.split("-"))
         if dist.get_rank() == 0:
             print(f"layout {spec} done", flush=True)
     dist.destroy_process_group()

@@ -30,13 +30,13 @@ def compare(ref: dict, got: dict, what: str, rel_floor: float = REL_FLOOR) -> fl
     return worst
 
 
-NEGATIVE = ("wrongshard", "localseq", "nozigzag")
+NEGATIVE = ("wrongshard", "localseq", "nozigzag", "rankq")
 
 
 def reference_tag(tag: str) -> str:
     if tag.startswith("mb"):
         return "tp1-" + tag.split("-", 1)[0]
-    loss = next((p for p in tag.split("-") if p.startswith("loss_")), None)
+    loss = next((p for p in tag.split("-") if p.startswith("loss_") or p == "topent"), None)
     return f"tp1-{loss}" if loss else "tp1"
 
 
@@ -67,10 +67,11 @@ def test_first_mini_batch_matches_tp1(layout_results, tag):
     assert abs(full["loss"] - first["loss"]) > 1e-4, "the mini-batch is a different batch from the whole"
 
 
-@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag"])
+@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag", "dp2-topent-rankq"])
 def test_negative_controls_are_detected(layout_results, tag):
     """A shard from the wrong TP rank, GSPO's sequence ratio reduced per CP rank instead of across the CP
-    group, and a contiguous (not zigzag) CP split each fail the same comparison."""
+    group, a contiguous (not zigzag) CP split, and the entropy mask's quantile taken per DP rank instead of over
+    the DP group each fail the same comparison."""
     with pytest.raises(AssertionError):
         check(layout_results, tag)
 

@@ -12,7 +12,7 @@ def launch(config, tmp_path, *extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", config), "--model.path", str(tmp_path / "model"),
+           os.path.join(ROOT, "examples", config), "--model.path", str(tmp_path / "model"), "--model.tiny",
            "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
            "--logging.completions_interval", "1", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)

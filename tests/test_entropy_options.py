@@ -1,0 +1,64 @@
+"""SAPO with the top-entropy token mask and per-token entropies in completions.jsonl, through the trainer itself
+(one in-process run): the flags reach the loss, the mask keeps about the asked share, the run header names both
+sources, and the logged entropies equal HF transformers' own entropy of the same tokens at the rollout weights."""
+import json
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+Q = 0.2
+
+
+@pytest.fixture(scope="module")
+def run(single_rank, tiny_dirs, tmp_path_factory):
+    from mgrpo.config import describe_algorithm, load_config
+    from mgrpo.trainer import GRPOTrainer
+
+    out = tmp_path_factory.mktemp("entropy") / "run"
+    model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
+        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+        "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", "2",
+        "--logging.report", "false", "--logging.tensorboard", "false", "--logging.completions_interval", "1",
+        "--logging.log_entropy", "true", "--logging.completions_token_ids", "true", "--algorithm.loss_type", "sapo",
+        "--algorithm.top_entropy_quantile", str(Q), "--rollout.temperature", "0.9"])
+    history = GRPOTrainer(cfg).fit()
+    rows = [json.loads(line) for line in open(out / "completions.jsonl")]
+    return cfg, model, history, rows, describe_algorithm(cfg)
+
+
+def test_sapo_and_the_mask_reach_the_loss(run):
+    cfg, _, history, _, header = run
+    assert cfg.algorithm.policy_loss == "sapo" and cfg.algorithm.aggregation == "seq-mean-token-mean"
+    for h in history:
+        assert abs(h["actor/entropy_mask_frac"] - Q) < 0.05, h["actor/entropy_mask_frac"]
+        assert 0 < h["actor/sapo_grad_weight"] <= 1.0 + 1e-6
+    assert "arXiv:2511.20347" in header and "arXiv:2506.01939" in header
+
+
+def test_logged_token_entropies_equal_hf_at_the_rollout_weights(run):
+    from transformers import AutoModelForCausalLM
+
+    cfg, model, _, rows, _ = run
+    first = [r for r in rows if r["step"] == 0][:6]  # step 0: the rollout weights are the model folder's
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    worst, shifted = 0.0, 0.0
+    for r in first:
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+        n_prompt = len(r["prompt_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0].double() / cfg.rollout.temperature, -1)
+        ent = -(logp.exp() * logp).sum(-1)  # position p predicts token p + 1
+        want = ent[n_prompt - 1: n_prompt - 1 + len(r["response_ids"])]
+        got = r["token_entropy"]
+        assert len(got) == len(r["response_ids"])
+        for j, v in enumerate(got):
+            if v is not None:
+                worst = max(worst, abs(v - float(want[j])))
+                if j + 1 < len(want):
+                    shifted = max(shifted, abs(v - float(want[j + 1])))
+    print(f"max |entropy - HF| = {worst:.2e} (one position off: {shifted:.2e})")
+    assert worst <= 1e-4  # values are logged rounded to 4 decimals
+    assert shifted > 1e-3  # negative control: one position off is caught (a random model is near-uniform)
