@@ -16,6 +16,7 @@ CPU = [
     "matplotlib>=3.8",  # report.png
     "datasets>=4",  # data.path: jsonl, json, parquet, save_to_disk folders
     "math-verify>=0.8",  # answer checks (MathTipsScheduler, accuracy rewards)
+    "xxhash>=3.4",  # the fast per-bucket digest on the HTTP wire (rollout.remote.checksum xxh3_128)
 ]
 GPU = [
     "torch>=2.6",
@@ -33,6 +34,7 @@ GPU = [
     "matplotlib>=3.8",
     "datasets>=4",
     "math-verify>=0.8",
+    "xxhash>=3.4",
 ]
 
 setup(

@@ -1,12 +1,14 @@
-"""Weight sync to a remote rollout server over HTTP, side by side: one request per tensor vs 64 MB buckets, the
-same ~100M-parameter Qwen2-style model (fp32) exported from a megatron actor into the same guarded vLLM server
-(launch/rollout_server.py on loopback). Time is split into export (megatron -> HF tensors, hashing), transfer
-(HTTP PUTs, sha256 checked by the server), load (the server's vLLM reload) and cache reset; peak RSS above the
-starting point is sampled on both sides during each push.
+"""Weight sync to a remote rollout server over HTTP, side by side: one request per tensor vs 64 MB buckets (both
+with the sha256 trailer), and 64 MB buckets with the fast xxh3_128 trailer (the default), the same ~100M-parameter
+Qwen2-style model (fp32) exported from a megatron actor into the same guarded vLLM server (launch/rollout_server.py
+on loopback). Time is split into export (megatron -> HF tensors), transfer (HTTP PUTs, the digest computed on both
+sides as the bytes stream), load (the server's vLLM reload) and cache reset; peak RSS above the starting point is
+sampled on both sides during each push.
 
     python benchmarks/weight_sync.py [--model 100m|tiny] [--reps 2]
 
-Ends with one line: result: per_tensor_s=... bucket_s=... speedup=... peak_rss_mb=...
+Ends with one line: result: per_tensor_s=... bucket_s=... speedup=... xxh3_bucket_s=... xxh3_vs_sha256=...
+peak_rss_mb=...
 """
 from __future__ import annotations
 
@@ -77,11 +79,11 @@ def start_server(model: str, port: int, log: str) -> subprocess.Popen:
     return proc
 
 
-def push(engine, actor, bucket_bytes: int, version: int, server_pid: int) -> dict:
+def push(engine, actor, bucket_bytes: int, version: int, server_pid: int, algo: str) -> dict:
     from mgrpo.resharding.export import export_hf
 
     server = psutil.Process(server_pid)
-    transport = engine.weight_transport(bucket_bytes)
+    transport = engine.weight_transport(bucket_bytes, algo=algo)
     t0 = time.perf_counter()
     with PeakRSS(lambda: [psutil.Process()]) as mine, \
             PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs:
@@ -119,9 +121,11 @@ def main() -> None:
             engine = RemoteEngine([f"http://127.0.0.1:{port}"], TOKEN, load_tokenizer(model).eos_token_id,
                                   update_timeout_s=1200)
             rows, version = {}, 0
-            for label, bucket in (("per tensor", 1), ("64 MB buckets", 64 << 20)) * args.reps:
+            runs = (("per tensor", 1, "sha256"), ("64 MB buckets", 64 << 20, "sha256"),
+                    ("64 MB, xxh3", 64 << 20, "xxh3_128"))
+            for label, bucket, algo in runs * args.reps:
                 version += 1
-                rows.setdefault(label, []).append(push(engine, actor, bucket, version, server.pid))
+                rows.setdefault(label, []).append(push(engine, actor, bucket, version, server.pid, algo))
         finally:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
@@ -138,7 +142,10 @@ def main() -> None:
     peak = best["64 MB buckets"]["trainer_peak_mb"]
     print(f"speedup {per / buck:.2f}x; trainer-side peak with buckets {peak:.0f} MB (bound: bucket 64 + largest "
           f"tensor {largest / 2**20:.0f} + 64 = {bound:.0f} MB)")
-    print(f"result: per_tensor_s={per:.3f} bucket_s={buck:.3f} speedup={per / buck:.2f} peak_rss_mb={peak:.0f} "
+    fast = best["64 MB, xxh3"]["total_s"]
+    print(f"xxh3_128 trailer instead of sha256: {buck / fast:.2f}x on the bucket path")
+    print(f"result: per_tensor_s={per:.3f} bucket_s={buck:.3f} speedup={per / buck:.2f} xxh3_bucket_s={fast:.3f} "
+          f"xxh3_vs_sha256={buck / fast:.2f} peak_rss_mb={peak:.0f} "
           f"server_peak_rss_mb={best['64 MB buckets']['server_peak_mb']:.0f}")
 
 

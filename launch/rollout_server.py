@@ -3,10 +3,12 @@
     MGRPO_SERVER_TOKEN=... python launch/rollout_server.py --model DIR --port 8000 [--host 127.0.0.1]
     python launch/rollout_server.py --model DIR --port 8000 --token-file /path/token     (the file holds the token)
 
-The token comes from MGRPO_SERVER_TOKEN or --token-file, never from a flag's value, and is never logged. Every route
-but GET /health needs `Authorization: Bearer TOKEN`. Binds 127.0.0.1 unless --host says otherwise; a non-loopback
-host without a token is refused. Prints `ready: http://HOST:PORT` when it serves. Extra arguments after `--` go to
-vLLM's own server (e.g. `-- --tensor-parallel-size 8 --gpu-memory-utilization 0.85`).
+The token comes from MGRPO_SERVER_TOKEN or --token-file (one of them, not both; a token file others can read is
+refused), never from a flag's value, and is never logged. Every route but GET /health needs `Authorization: Bearer
+TOKEN`. Binds 127.0.0.1 unless --host says otherwise; a non-loopback host needs a token and TLS (--ssl-certfile,
+--ssl-keyfile: the token would travel in clear otherwise). Prints `ready: http(s)://HOST:PORT` when it serves.
+Extra arguments after `--` go to vLLM's own server (e.g. `-- --tensor-parallel-size 8`); --host, --port and --uds
+are refused there (they would slip past the loopback check).
 """
 from __future__ import annotations
 
@@ -31,13 +33,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class TokenError(ValueError):
+    """A token source we will not use; the message names it and the fix."""
+
+
 def read_token(token_file: str | None) -> str | None:
-    if os.environ.get("MGRPO_SERVER_TOKEN"):
-        return os.environ["MGRPO_SERVER_TOKEN"].strip()
+    env = os.environ.get("MGRPO_SERVER_TOKEN", "").strip()
+    if env and token_file:
+        raise TokenError("both MGRPO_SERVER_TOKEN and --token-file are set; give one of them")
+    if env:
+        return env
     if token_file:
-        with open(token_file) as f:
+        fd = os.open(token_file, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077:
+                raise TokenError(f"--token-file {token_file} is readable by others (mode {mode & 0o777:o}); "
+                                 f"chmod 600 it")
             return f.read().strip() or None
     return None
+
+
+def write_token(path: str, token: str) -> None:
+    """A fresh token file, 0600, never through a link: any old file or link at `path` is removed first."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+
+
+PASS_THROUGH_REFUSED = ("--host", "--port", "--uds")
 
 
 def main(argv=None) -> int:
@@ -51,12 +80,31 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-bucket-mb", type=int, default=4096, help="largest weight bucket accepted")
+    ap.add_argument("--max-staged-gb", type=float, default=None,
+                    help="bytes staged for one version at most (default: twice the model's size + 64 MB)")
+    ap.add_argument("--max-staged-buckets", type=int, default=None,
+                    help="buckets staged for one version at most (default: the model's tensor count)")
+    ap.add_argument("--update-timeout-s", type=float, default=600.0,
+                    help="deadline for pausing generation and loading one update; past it the server is poisoned")
+    ap.add_argument("--ssl-certfile", default=None, help="TLS certificate (required off loopback)")
+    ap.add_argument("--ssl-keyfile", default=None, help="TLS private key (required off loopback)")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return fail(f"--model {args.model}: no config.json there; give an HF model folder")
+    refused = [a.split("=")[0] for a in extra if a.split("=")[0] in PASS_THROUGH_REFUSED]
+    if refused:
+        return fail(f"{refused[0]} after `--` is refused (it would bypass the loopback and TLS checks); give it "
+                    f"before `--`")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        return fail("--ssl-certfile and --ssl-keyfile go together; give both")
+    if not is_loopback(args.host) and not args.ssl_certfile:
+        return fail(f"--host {args.host} is not loopback: serve TLS (--ssl-certfile, --ssl-keyfile), or the token "
+                    f"travels in clear")
     try:
         token = read_token(args.token_file)
+    except TokenError as exc:
+        return fail(str(exc))
     except OSError as exc:
         return fail(f"--token-file {args.token_file}: cannot read it ({exc.strerror})")
     if token is None:
@@ -67,10 +115,7 @@ def main(argv=None) -> int:
 
         token = secrets.token_urlsafe(32)
         path = os.path.join(os.path.expanduser("~"), ".cache", "mgrpo", f"rollout-server-{args.port}.token")
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
+        write_token(path, token)
         print(f"mgrpo: no token given: a new one is in {path} (clients: MGRPO_SERVER_TOKEN=$(cat {path}))",
               file=sys.stderr, flush=True)
     os.environ.pop("MGRPO_SERVER_TOKEN", None)  # vLLM's processes need not see it
@@ -83,14 +128,17 @@ def main(argv=None) -> int:
 
     from mgrpo.rollout.serving.server import serve, vllm_args
 
+    tls = ["--ssl-certfile", args.ssl_certfile, "--ssl-keyfile", args.ssl_keyfile] if args.ssl_certfile else []
     vargs = vllm_args(os.path.abspath(args.model), args.host, args.port, dtype, args.seed, args.max_model_len,
-                      args.max_num_seqs, extra)
+                      args.max_num_seqs, tls + extra)
 
     def ready(address: str) -> None:
         print(f"ready: {address}", flush=True)
 
     try:
-        uvloop.run(serve(vargs, token, args.max_bucket_mb << 20, ready))
+        uvloop.run(serve(vargs, token, args.max_bucket_mb << 20, ready, update_timeout_s=args.update_timeout_s,
+                         max_staged_bytes=int(args.max_staged_gb * (1 << 30)) if args.max_staged_gb else None,
+                         max_staged_buckets=args.max_staged_buckets))
     except OSError as exc:
         if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
             return fail(f"--port {args.port}: address {args.host}:{args.port} is already in use; pick another port",

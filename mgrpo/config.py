@@ -96,6 +96,9 @@ class RemoteConfig:
     retries: int = 2  # a failed generation request is retried on another server, with backoff
     backoff_s: float = 0.5  # doubled after each retry
     update_timeout_s: float = 600.0  # one bucket or commit of a weight update
+    allow_plain_http: bool = False  # http:// to a server off loopback (the token travels in clear); else https
+    ca_file: str = ""  # CA (or the servers' self-signed certificate) that https:// servers are checked against
+    checksum: str = "xxh3_128"  # per-bucket digest on the wire: xxh3_128 (corruption, ~12 GB/s) | sha256
 
 
 @dataclass

@@ -80,10 +80,19 @@ def check_remote(r) -> list:
     if not r.servers:
         e.append("rollout.engine=remote needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
                  "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)")
+    m = r.remote
     for url in r.servers:
         if not url.startswith(("http://", "https://")):
             e.append(f"rollout.servers: {url!r} is not an http:// or https:// URL")
-    m = r.remote
+        elif url.startswith("http://") and not m.allow_plain_http and not _loopback_url(url):
+            e.append(f"rollout.servers: {url!r} is plain http to another host: the token would travel in clear; "
+                     f"serve TLS and use https://, or set rollout.remote.allow_plain_http=true on a trusted network")
+    if m.checksum not in ("xxh3_128", "sha256"):
+        e.append(f"rollout.remote.checksum={m.checksum!r}; use xxh3_128 (fast, catches corruption) or sha256")
+    if r.engine_placement == "per_dp":
+        e.append("rollout.engine=remote with rollout.engine_placement=per_dp would have every DP leader push the same "
+                 "versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
+                 "partitioned per DP group)")
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
@@ -91,6 +100,19 @@ def check_remote(r) -> list:
     e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
               ">= 1")
     return e
+
+
+def _loopback_url(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_checkpoint(c) -> list:

@@ -74,7 +74,7 @@ def plan_nodes(hosts: list, rollout_nodes: int = 0, gpus_per_node: int = 8, mast
     return dict(TRAIN_HOSTS=",".join(train), ROLLOUT_HOSTS=",".join(rollout), MASTER_ADDR=train[0],
                 MASTER_PORT=master_port, NNODES=len(train), NPROC_PER_NODE=gpus_per_node,
                 WORLD_SIZE=len(train) * gpus_per_node,
-                SERVER_URLS=",".join(f"http://{h}:{rollout_port}" for h in rollout))
+                SERVER_URLS=",".join(f"https://{h}:{rollout_port}" for h in rollout))  # off-host: TLS
 
 
 def main(argv=None) -> int:

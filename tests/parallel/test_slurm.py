@@ -33,7 +33,7 @@ def test_training_nodes_first_rollout_nodes_last():
     plan = plan_nodes(expand_nodelist("gpu[01-04]"), rollout_nodes=1, gpus_per_node=8, rollout_port=8100)
     assert plan["TRAIN_HOSTS"] == "gpu01,gpu02,gpu03" and plan["MASTER_ADDR"] == "gpu01"
     assert plan["NNODES"] == 3 and plan["WORLD_SIZE"] == 24 and plan["ROLLOUT_HOSTS"] == "gpu04"
-    assert plan["SERVER_URLS"] == "http://gpu04:8100"
+    assert plan["SERVER_URLS"] == "https://gpu04:8100"  # off loopback: TLS
     plan = plan_nodes(["a1", "b7"], rollout_nodes=0, gpus_per_node=4)
     assert (plan["NNODES"], plan["WORLD_SIZE"], plan["SERVER_URLS"]) == (2, 8, "")
     with pytest.raises(SlurmPlanError, match="leaves no training node"):
@@ -75,15 +75,18 @@ def run_sbatch(tmp_path, **env):
 
 def test_the_batch_script_starts_servers_then_one_torchrun_per_training_node(tmp_path):
     proc, calls = run_sbatch(tmp_path, SLURM_JOB_NODELIST="gpu[01-03]", GPUS_PER_NODE="8", ROLLOUT_NODES="1",
-                             ROLLOUT_MODEL="/models/m", SLURM_RESTART_COUNT="1")
+                             ROLLOUT_MODEL="/models/m", SLURM_RESTART_COUNT="1", ROLLOUT_SSL_CERT="/tls/cert.pem",
+                             ROLLOUT_SSL_KEY="/tls/key.pem")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = calls.splitlines()
     server = next(line for line in lines if "rollout_server.py" in line)
     assert "--nodelist gpu03" in server and "--model /models/m --host 0.0.0.0 --port 8000" in server
+    assert "--ssl-certfile /tls/cert.pem --ssl-keyfile /tls/key.pem" in server  # off loopback: TLS
     train = next(line for line in lines if "train_grpo.py" in line)
     assert "--nodes 2 --ntasks 2 --ntasks-per-node 1 --nodelist gpu01,gpu02" in train
     assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu01:29500 --rdzv-id 77" in train
-    assert "--rollout.engine remote --rollout.servers http://gpu03:8000" in train
+    assert "--rollout.engine remote --rollout.servers https://gpu03:8000 --rollout.remote.ca_file /tls/cert.pem" \
+        in train
     assert train.rstrip().endswith("--resume")  # SLURM_RESTART_COUNT=1: a requeued run continues
     assert "MGRPO_SERVER_TOKEN" not in proc.stdout + proc.stderr + calls  # never printed
 
@@ -94,3 +97,5 @@ def test_the_batch_script_refuses_a_plan_without_training_nodes(tmp_path):
     assert "srun" not in calls
     proc, _ = run_sbatch(tmp_path / "x", SLURM_JOB_NODELIST="a1,b7", ROLLOUT_NODES="1")
     assert proc.returncode == 2 and "needs ROLLOUT_MODEL" in proc.stderr
+    proc, _ = run_sbatch(tmp_path / "y", SLURM_JOB_NODELIST="a1,b7", ROLLOUT_NODES="1", ROLLOUT_MODEL="/m")
+    assert proc.returncode == 2 and "needs ROLLOUT_SSL_CERT and ROLLOUT_SSL_KEY" in proc.stderr

@@ -22,7 +22,7 @@ def body(version=3, index=1):
     out = {}
     data = b"".join(bytes(c) for c in bucket_body(tensors, header, total, manifest, out))
     assert len(data) == len(header) + total + TRAILER
-    return data, out["sha256"]
+    return data, out["digest"]
 
 
 def receive(data: bytes, seed: int) -> tuple:
@@ -68,3 +68,35 @@ def test_a_cut_or_garbled_body_is_refused():
         receive(data[:-1], 0)  # one byte short: the header no longer adds up
     with pytest.raises(BucketError, match="cannot decode"):
         receive(b"\x10" + bytes(7) + b"not json" * 2 + bytes(200), 0)
+
+
+def test_xxh3_trailer_equals_an_independent_xxh3_and_catches_a_flip():
+    """The fast digest (rollout.remote.checksum xxh3_128): xxhash's own XXH3-128 over length, payload and the
+    canonical manifest, computed here without the Digest class; any chunking; a flipped byte is refused."""
+    import json
+
+    import xxhash
+
+    tensors = items()
+    header, total, manifest = bucket_header(tensors, 3, 1)
+    out = {}
+    data = b"".join(bytes(c) for c in bucket_body(tensors, header, total, manifest, out, algo="xxh3_128"))
+    assert len(data) == len(header) + total + 32
+    payload = data[len(header): len(header) + total]
+    canon = json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True, separators=(",", ":"))
+    assert out["digest"] == xxhash.xxh3_128(total.to_bytes(8, "little") + payload + canon.encode()).hexdigest()
+    for seed in range(3):
+        check, rng, pos = StreamCheck(len(data), "xxh3_128"), random.Random(seed), 0
+        while pos < len(data):
+            n = rng.choice([1, 7, 64, 4096])
+            check.feed(data[pos: pos + n])
+            pos += n
+        assert check.finish() == out["digest"]
+    bad = bytearray(data)
+    bad[len(header) + 5] ^= 0x01
+    check = StreamCheck(len(bad), "xxh3_128")
+    check.feed(bytes(bad))
+    with pytest.raises(BucketError, match="xxh3_128 mismatch"):
+        check.finish()
+    with pytest.raises(BucketError, match="unknown digest"):
+        StreamCheck(len(data), "md5")

@@ -17,8 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -26,58 +24,11 @@ from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
 from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
 from engine_helpers import diffs_after_push, reqs, run, trainer_actor
+from servers import TOKEN, Server, http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKEN = "test-token-" + "x" * 20
 T = 0.7
 _versions = itertools.count(1)
-
-
-class Server:
-    """One launch/rollout_server.py process (its own session: killing the group takes vLLM's engine core too)."""
-
-    def __init__(self, model: str, port: int, log: str, token: str = TOKEN):
-        self.model, self.port, self.log_path, self.token = model, port, log, token
-        self.url = f"http://127.0.0.1:{port}"
-        self.start()
-
-    def start(self, timeout: float = 300):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                 "MASTER_PORT")}
-        env["MGRPO_SERVER_TOKEN"] = self.token
-        self.log = open(self.log_path, "a")
-        seen = self.log.tell()  # a restart appends: only what this process writes counts
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--model",
-                                      self.model, "--port", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        deadline = time.time() + timeout
-        while f"ready: http://127.0.0.1:{self.port}" not in open(self.log_path).read()[seen:]:
-            assert self.proc.poll() is None, open(self.log_path).read()[-3000:]
-            assert time.time() < deadline, "the rollout server did not become ready"
-            time.sleep(0.5)
-
-    def signal(self, sig):
-        os.killpg(self.proc.pid, sig)
-
-    def stop(self):
-        try:
-            self.signal(signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.log.close()
-
-
-def http(url: str, method: str = "GET", token: str | None = TOKEN, body: bytes | None = None, timeout: float = 30):
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +133,7 @@ def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, s
     transport = engine.weight_transport(1 << 20)
     httpclient.HTTPConnection.send = send
     try:
-        with pytest.raises(WeightSyncError, match="sha256 mismatch"):
+        with pytest.raises(WeightSyncError, match="xxh3_128 mismatch"):  # the default digest
             transport.send(items, next(_versions))
     finally:
         httpclient.HTTPConnection.send = original
@@ -291,7 +242,8 @@ def test_server_refusals_are_one_line(dirs, tmp_path):
         assert r.returncode != 0 and len(errors) == 1, r.stderr[-2000:]
         return errors[0]
 
-    assert "not loopback and no token" in refuse("--model", dirs["base"], "--port", "1", "--host", "0.0.0.0")
+    assert "not loopback and no token" in refuse("--model", dirs["base"], "--port", "1", "--host", "0.0.0.0",
+                                                 "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem")
     assert "no config.json" in refuse("--model", str(tmp_path), "--port", "1",
                                       extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
     with socket.socket() as busy:

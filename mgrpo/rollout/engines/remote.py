@@ -59,7 +59,8 @@ class RemoteEngine:
 
     def __init__(self, servers: list, token: str, eos_token_id: int | None, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 30.0, max_inflight_per_server: int = 64, retries: int = 2,
-                 backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None):
+                 backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None, ca_file: str = "",
+                 checksum: str = "xxh3_128"):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
         self.replicas = [Replica(u) for u in servers]
@@ -67,14 +68,23 @@ class RemoteEngine:
         self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
         self.max_inflight, self.retries, self.backoff_s = max_inflight_per_server, retries, backoff_s
         self.update_timeout_s = update_timeout_s
+        self.ssl = tls_context(ca_file)  # https: checked against ca_file (else the system's CAs)
+        self.checksum = checksum  # the per-bucket digest on the wire (rollout.remote.checksum)
         self.version = 0  # the version every serving replica must hold
         self.log = log or (lambda msg: print(f"mgrpo: {msg}", file=sys.stderr, flush=True))
         self.headers = {"Authorization": f"Bearer {token}"}
-        for r in self.replicas:  # at start every replica must answer and hold the initial weights
-            info = self.get(r, "/mgrpo/version")
-            r.version = info["version"]
-        self.version = max(r.version for r in self.replicas)
-        stale = [r.name for r in self.replicas if r.version != self.version]
+        for r in self.replicas:  # start with those that answer; the others rejoin at a weight update
+            try:
+                info = self.get(r, "/mgrpo/version")
+                if info.get("poisoned"):
+                    raise RemoteEngineError(f"rollout server {r.name} is poisoned: {info['poisoned']}")
+                r.version = info["version"]
+            except RemoteEngineError as exc:
+                self.mark_down(r, str(exc))
+        if not any(r.up for r in self.replicas):
+            raise self.no_replica_left()
+        self.version = max(r.version for r in self.replicas if r.up)
+        stale = [r.name for r in self.replicas if r.up and r.version != self.version]
         if stale:
             self.log(f"rollout servers {', '.join(stale)} hold an older weight version; they serve again after "
                      f"the next weight update")
@@ -87,7 +97,7 @@ class RemoteEngine:
 
         req = urllib.request.Request(replica.url + path, headers=self.headers)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.connect_timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout or self.connect_timeout_s, context=self.ssl) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             raise RemoteEngineError(f"rollout server {replica.name}: GET {path} -> {exc.code} "
@@ -116,7 +126,7 @@ class RemoteEngine:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=self.connect_timeout_s)
         limit = self.max_inflight * len(self.replicas)
         async with aiohttp.ClientSession(timeout=timeout, headers=self.headers,
-                                         connector=aiohttp.TCPConnector(limit=limit)) as session:
+                                         connector=aiohttp.TCPConnector(limit=limit, ssl=self.ssl)) as session:
             cond = asyncio.Condition()
             return list(await asyncio.gather(*(self._one(session, cond, req, sampling) for req in requests)))
 
@@ -178,7 +188,8 @@ class RemoteEngine:
     def weight_transport(self, bucket_bytes: int, **kwargs):
         from mgrpo.rollout.transports.http_buckets import HttpBucketTransport
 
-        return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s), **kwargs))
+        return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s,
+                                                                   algo=self.checksum), **kwargs))
 
     def rejoin_candidates(self) -> list:
         """Replicas to push the next update to: those up, and those down that answer /health again."""
@@ -186,8 +197,11 @@ class RemoteEngine:
         for r in self.replicas:
             if not r.up:
                 try:
-                    _health(r.url, 2.0)
-                    r.version = self.get(r, "/mgrpo/version", timeout=5.0)["version"]
+                    _health(r.url, 2.0, self.ssl)
+                    info = self.get(r, "/mgrpo/version", timeout=5.0)
+                    if info.get("poisoned"):  # a poisoned server serves nothing until restarted
+                        continue
+                    r.version = info["version"]
                     self.log(f"rollout server {r.name} answers again (weight version {r.version}); it gets the "
                              f"next update before it serves")
                     r.up = True
@@ -209,10 +223,17 @@ class RemoteEngine:
         pass
 
 
-def _health(url: str, timeout: float) -> None:
+def tls_context(ca_file: str = ""):
+    """The TLS context every https call to the servers uses: certificates checked, against `ca_file` if given."""
+    import ssl
+
+    return ssl.create_default_context(cafile=os.path.expanduser(ca_file) if ca_file else None)
+
+
+def _health(url: str, timeout: float, context=None) -> None:
     import urllib.request
 
-    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout, context=context) as resp:
         if resp.status != 200:
             raise OSError(f"/health -> {resp.status}")
 
@@ -237,7 +258,7 @@ def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
     engine = RemoteEngine(servers, server_token(r.token_file), tokenizer.eos_token_id,
                           connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
                           max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
-                          update_timeout_s=r.update_timeout_s)
+                          update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum)
     engine.log(f"rollout servers: {', '.join(x.name for x in engine.replicas)} (weight version {engine.version}, "
                f"reached in {time.time() - started:.1f} s)")
     return engine

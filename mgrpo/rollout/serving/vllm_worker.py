@@ -70,6 +70,7 @@ class FileReceiver:
         vLLM's reload_weights reads the tensors straight out of the mapped files. Never raises into the core."""
         import mmap
 
+        _test_load_delay()
         check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in expected.items()}, optional, receiver="rollout server")
         files, maps, buckets = [], [], []
         try:
@@ -100,6 +101,15 @@ class FileReceiver:
             for f in files:
                 f.close()
         return {"ok": True, "receipt": receipt, "load_s": time.perf_counter() - t0}
+
+
+def _test_load_delay() -> None:
+    """Tests only (a hung load): when MGRPO_TEST_LOAD_DELAY_FILE names a file that exists, sleep the seconds it
+    holds. Unset in any real run."""
+    path = os.environ.get("MGRPO_TEST_LOAD_DELAY_FILE")
+    if path and os.path.exists(path):
+        with open(path) as f:
+            time.sleep(float(f.read().strip() or 0))
 
 
 def _receive(worker, sock, buffers: dict, expected: dict, optional: list) -> dict:

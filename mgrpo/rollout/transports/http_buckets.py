@@ -15,27 +15,29 @@ import hmac
 import http.client
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import torch
 
-from mgrpo.resharding.bucket import BucketError, Digest, align_up, bucket_header, parse_bucket_header
+from mgrpo.resharding.bucket import DIGEST_HEX, BucketError, Digest, align_up, bucket_header, parse_bucket_header
 from mgrpo.rollout.transports.base import WeightSyncError
 
-TRAILER = 64  # the body ends with the hex sha256 of payload and manifest
+TRAILER = DIGEST_HEX["sha256"]  # the body ends with the hex digest of payload and manifest (64 digits for sha256)
+DIGEST_HEADER = "x-mgrpo-digest"  # which digest the trailer holds: sha256 (the default) or xxh3_128
 
 
-def bucket_body(items: list, header: bytes, total: int, manifest: dict, out: dict):
+def bucket_body(items: list, header: bytes, total: int, manifest: dict, out: dict, algo: str = "sha256"):
     """The request body, streamed: the safetensors header (`bucket_header`), the payload (views of the tensors,
-    hashed as they go), then the 64-hex-digit digest as a trailer; `out["sha256"]` holds it once the body is
+    hashed as they go), then the hex digest (`algo`) as a trailer; `out["digest"]` holds it once the body is
     through."""
-    h = Digest(total)
+    h = Digest(total, algo)
     yield header
     for chunk in _payload(items, manifest["offsets"], manifest["nbytes"], total):
         h.update(chunk)
         yield chunk
-    out["sha256"] = h.finish(manifest)
-    yield out["sha256"].encode()
+    out["digest"] = h.finish(manifest)
+    yield out["digest"].encode()
 
 
 class StreamCheck:
@@ -44,8 +46,11 @@ class StreamCheck:
     bytes, the payload is hashed as it streams, and the last TRAILER bytes are the sender's hex digest, compared
     at the end."""
 
-    def __init__(self, size: int, trailer: int = TRAILER):
-        self.file_size, self.trailer_size = size - trailer, trailer
+    def __init__(self, size: int, algo: str = "sha256"):
+        if algo not in DIGEST_HEX:
+            raise BucketError(f"unknown digest {algo!r} ({DIGEST_HEADER}); use one of {', '.join(DIGEST_HEX)}")
+        self.algo, self.trailer_size = algo, DIGEST_HEX[algo]
+        self.file_size = size - self.trailer_size
         self.head, self.trailer, self.pos, self.hash, self.manifest = b"", b"", 0, None, None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -58,8 +63,8 @@ class StreamCheck:
                 n, self.manifest, start, end = parse_bucket_header(self.head)
                 if 8 + n + end != self.file_size:
                     raise BucketError(f"the safetensors header says {8 + n + end} bytes, the body carries "
-                                      f"{self.file_size} before its sha256 trailer")
-                self.hash = Digest(end - start)
+                                      f"{self.file_size} before its {self.algo} trailer")
+                self.hash = Digest(end - start, self.algo)
                 self.hash.update(memoryview(self.head)[8 + n:])
                 self.head = b""
         else:
@@ -70,10 +75,10 @@ class StreamCheck:
     def finish(self) -> str:
         """The digest checked against the trailer; raises BucketError naming what is wrong."""
         if self.hash is None or len(self.trailer) != self.trailer_size:
-            raise BucketError("the body ends before its safetensors header and sha256 trailer are complete")
+            raise BucketError(f"the body ends before its safetensors header and {self.algo} trailer are complete")
         got, sent = self.hash.finish(self.manifest), self.trailer.decode("ascii", "replace")
         if not hmac.compare_digest(got, sent):
-            raise BucketError(f"sha256 mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
+            raise BucketError(f"{self.algo} mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
                               f"{got[:12]}...); the bucket was altered or cut in transit, resend it")
         return got
 
@@ -96,15 +101,20 @@ def _payload(items: list, offsets: list, nbytes: list, total: int):
 class HttpBucketTransport:
     checksum = True  # buckets leave the machine
 
-    def __init__(self, engine, bucket_bytes: int, update_timeout_s: float = 600.0):
-        self.engine, self.bucket_bytes, self.timeout = engine, bucket_bytes, update_timeout_s
+    def __init__(self, engine, bucket_bytes: int, update_timeout_s: float = 600.0, algo: str = "xxh3_128"):
+        if algo not in DIGEST_HEX:
+            raise ValueError(f"rollout.remote.checksum={algo!r}; use one of {', '.join(DIGEST_HEX)}")
+        self.engine, self.bucket_bytes, self.timeout, self.algo = engine, bucket_bytes, update_timeout_s, algo
         self.conns: dict = {}
 
     def _conn(self, replica) -> http.client.HTTPConnection:
         if replica.name not in self.conns:
             u = urlsplit(replica.url)
-            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-            self.conns[replica.name] = cls(u.hostname, u.port, timeout=self.timeout)
+            if u.scheme == "https":
+                conn = http.client.HTTPSConnection(u.hostname, u.port, timeout=self.timeout, context=self.engine.ssl)
+            else:
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=self.timeout)
+            self.conns[replica.name] = conn
         return self.conns[replica.name]
 
     def _request(self, replica, method: str, path: str, parts=None, length: int = 0,
@@ -127,6 +137,8 @@ class HttpBucketTransport:
             conn.putheader("Authorization", f"Bearer {self.engine.token}")
             data = json.dumps(body).encode() if body is not None else None
             conn.putheader("Content-Type", "application/json" if data is not None else "application/octet-stream")
+            if parts:
+                conn.putheader(DIGEST_HEADER, self.algo)
             conn.putheader("Content-Length", str(len(data) if data is not None else length))
             conn.endheaders()
             if data is not None:
@@ -172,15 +184,16 @@ class HttpBucketTransport:
                 for replica in list(targets):
                     try:
                         got = self._request(replica, "PUT", f"/mgrpo/weights/{version}/{index}",
-                                            lambda: bucket_body(pending, header, total, manifest, sent),
-                                            len(header) + total + TRAILER)
-                        if got.get("sha256") != sent.get("sha256"):
-                            raise WeightSyncError(f"rollout server {replica.name} checked sha256 "
-                                                  f"{str(got.get('sha256'))[:12]}..., sent {str(sent.get('sha256'))[:12]}...")
+                                            lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
+                                            len(header) + total + DIGEST_HEX[self.algo])
+                        if got.get("digest") != sent.get("digest"):
+                            raise WeightSyncError(f"rollout server {replica.name} checked {self.algo} "
+                                                  f"{str(got.get('digest'))[:12]}..., sent "
+                                                  f"{str(sent.get('digest'))[:12]}...")
                     except (ConnectionError, WeightSyncError) as exc:
                         self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
                         targets.remove(replica)
-                digests.append(sent.get("sha256"))
+                digests.append(sent.get("digest"))
                 sent_bytes += total
                 timing["transfer_s"] += time.perf_counter() - t
                 pending, size, index = [], 0, index + 1
@@ -192,12 +205,19 @@ class HttpBucketTransport:
                 break
         timing["export_s"] += time.perf_counter() - t
         receipts = {}
-        for replica in targets:
+
+        def commit_one(replica):  # every replica pauses, loads and resumes at the same time
             try:
-                receipts[replica.name] = self._commit(replica, version, digests)
-                replica.version = version
+                return replica, self._commit(replica, version, digests), None
             except (ConnectionError, WeightSyncError) as exc:
-                self.engine.mark_down(replica, f"weight version {version} not applied: {exc}")
+                return replica, None, exc
+
+        with ThreadPoolExecutor(max_workers=max(len(targets), 1)) as pool:
+            for replica, receipt, exc in pool.map(commit_one, list(targets)):
+                if exc is None:
+                    receipts[replica.name], replica.version = receipt, version
+                else:
+                    self.engine.mark_down(replica, f"weight version {version} not applied: {exc}")
         if not receipts:
             raise WeightSyncError(f"weight version {version} reached no rollout server: "
                                   f"{str(self.engine.no_replica_left())}")
@@ -209,14 +229,20 @@ class HttpBucketTransport:
                     tensors=first.get("tensors"))
 
     def _commit(self, replica, version: int, digests: list) -> dict:
-        body = {"count": len(digests), "sha256": digests}
+        body = {"count": len(digests), "digests": digests}
         try:
             return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
         except ConnectionError as first:  # did it apply? ask before resending anything
             try:
                 state = self.engine.get(replica, "/mgrpo/version", timeout=30)
+                deadline = time.monotonic() + self.timeout
+                while state.get("updating") == version and time.monotonic() < deadline:  # never resend a running one
+                    time.sleep(0.5)
+                    state = self.engine.get(replica, "/mgrpo/version", timeout=30)
             except Exception:  # noqa: BLE001
                 raise ConnectionError(f"commit failed ({first}) and the server does not answer") from None
+            if state.get("poisoned"):
+                raise ConnectionError(f"commit failed ({first}); the server is poisoned: {state['poisoned']}")
             if state.get("version") == version:
                 return {"version": version, "recovered": True}
             if state.get("staged_version") == version and state.get("staged") == list(range(len(digests))):
