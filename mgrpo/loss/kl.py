@@ -43,17 +43,17 @@ def register_kl(name: str):
     return deco
 
 
-def kl_estimator_names() -> list:
-    """Every name `kl_penalty` accepts, aliases included."""
-    return sorted(_KL) + sorted(_ALIASES)
-
-
 def kl_penalty(name: str) -> Callable:
     """``fn(logp, ref_logp) -> per_token [B, L]`` (not masked). Names: k1, k2, k3 (aliases kl, mse, low_var_kl)."""
     key = _ALIASES.get(name, name)
     if key not in _KL:
         raise KeyError(f"KL estimator {name!r} is not registered; known: {', '.join(sorted(set(_KL) | set(_ALIASES)))}")
     return _KL[key]
+
+
+def kl_estimator_names() -> list:
+    """Every name `kl_penalty` accepts, aliases included."""
+    return sorted(_KL) + sorted(_ALIASES)
 
 
 @register_kl("k1")

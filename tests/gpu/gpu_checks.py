@@ -335,7 +335,8 @@ def main() -> int:
     if not cuda and not args.tiny:
         for name, budget, what in CHECKS:
             print(f"  skip {name} (budget {budget} s): {what}")
-        print("skipped: no CUDA device here; run `bash scripts/gpu_check.sh` on a GPU machine (README, GPU section)")
+        print("skipped: no CUDA device here; run `bash scripts/gpu_check.sh --require-cuda` on a GPU machine "
+              "(README, GPU section)")
         print("result: gpu_check=skipped checks=0/" + str(len(CHECKS)))
         return 0
     fns = {"parity": check_parity, "grpo_step": check_grpo_step, "fused": check_fused, "sync_7b": check_sync_7b,
