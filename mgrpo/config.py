@@ -99,6 +99,7 @@ class RemoteConfig:
     allow_plain_http: bool = False  # http:// to a server off loopback (the token travels in clear); else https
     ca_file: str = ""  # CA (or the servers' self-signed certificate) that https:// servers are checked against
     checksum: str = "xxh3_128"  # per-bucket digest on the wire: xxh3_128 (corruption, ~12 GB/s) | sha256
+    max_consecutive_failures: int = 3  # a replica is excluded after this many failed requests in a row
 
 
 @dataclass

@@ -87,6 +87,8 @@ def check_remote(r) -> list:
         elif url.startswith("http://") and not m.allow_plain_http and not _loopback_url(url):
             e.append(f"rollout.servers: {url!r} is plain http to another host: the token would travel in clear; "
                      f"serve TLS and use https://, or set rollout.remote.allow_plain_http=true on a trusted network")
+    e += must("rollout.remote.max_consecutive_failures", m.max_consecutive_failures,
+              m.max_consecutive_failures >= 1, ">= 1")
     if m.checksum not in ("xxh3_128", "sha256"):
         e.append(f"rollout.remote.checksum={m.checksum!r}; use xxh3_128 (fast, catches corruption) or sha256")
     if r.engine_placement == "per_dp":

@@ -119,8 +119,13 @@ def test_the_staging_caps_hold(env):
     status, body = put(srv, 3, MAX_BUCKETS, one[MAX_BUCKETS])
     print("bucket over the cap:", status, body)
     assert status == 413 and "--max-staged-buckets" in body["error"]
-    big = b"{" + b" " * (2 << 20) + b"}"
-    assert http(f"{srv.url}/mgrpo/weights/3/commit", "POST", body=big)[0] == 413  # commit body over 1 MiB
+    conn = httpclient.HTTPConnection("127.0.0.1", srv.port, timeout=30)  # a commit body over 1 MiB: refused on
+    conn.putrequest("POST", "/mgrpo/weights/3/commit")                  # its Content-Length, before it is read
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Content-Length", str(2 << 20))
+    conn.endheaders()
+    assert conn.getresponse().status == 413
+    conn.close()
 
 
 def test_the_token_is_in_no_log_and_no_child_environment(env):
@@ -130,6 +135,32 @@ def test_the_token_is_in_no_log_and_no_child_environment(env):
     found = [p for p in children if TOKEN.encode() in _environ(p)]
     print(f"{len(children)} child processes checked")
     assert children and not found and TOKEN not in log
+
+
+def test_a_replica_is_excluded_after_n_failures_in_a_row_not_one(env, tiny_dirs):
+    """A timeout may be server-side queueing: a stopped server stays in after 1 and 2 failed requests and is
+    excluded at the third (rollout.remote.max_consecutive_failures 3)."""
+    import signal
+
+    from engine_helpers import reqs, run
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
+    from mgrpo.rollout.types import SamplingParams
+
+    srv = env["server"]
+    eos = load_tokenizer(srv.model).eos_token_id
+    engine = RemoteEngine([srv.url], TOKEN, eos, request_timeout_s=2, retries=0, max_consecutive_failures=3)
+    up = []
+    srv.signal(signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            with pytest.raises(RemoteEngineError, match="timed out"):
+                run(engine, reqs(seed=3, n=1)[:1], SamplingParams(temperature=1.0, max_tokens=4))  # one request
+            up.append(engine.replicas[0].up)
+    finally:
+        srv.signal(signal.SIGCONT)
+    print("up after 1, 2, 3 timeouts:", up)
+    assert up == [True, True, False]
 
 
 def test_a_hung_load_poisons_the_server_within_the_deadline(env):

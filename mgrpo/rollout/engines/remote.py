@@ -4,8 +4,9 @@ replica with the whole model.
 Generation: token ids in (`/v1/completions` with a token-id prompt), token ids, processed logprobs and the weight
 version (`x-mgrpo-weight-version`) out. Requests go to the replica with the fewest in flight, at most
 `rollout.remote.max_inflight_per_server` each; a request that fails to connect, times out or gets a 5xx is retried
-on another replica after a backoff (`retries` times). A replica that fails is reported and excluded; it rejoins at
-the next weight update once GET /health answers again and it has loaded that update. Only when no replica is left
+on another replica after a backoff (`retries` times). A replica where nothing listens is excluded at once, one that
+times out or answers 5xx after `max_consecutive_failures` failed requests in a row (a timeout may be queueing); it
+rejoins at the next weight update once GET /health answers again (not poisoned) and it has loaded that update. Only when no replica is left
 does the call fail, with one line naming every server and why.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Replica:
     inflight: int = 0
     served: int = 0
     failures: int = 0
+    consecutive: int = 0  # failed requests in a row; excluded at rollout.remote.max_consecutive_failures
     last_error: str = ""
     name: str = field(init=False)
 
@@ -60,7 +62,7 @@ class RemoteEngine:
     def __init__(self, servers: list, token: str, eos_token_id: int | None, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 30.0, max_inflight_per_server: int = 64, retries: int = 2,
                  backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None, ca_file: str = "",
-                 checksum: str = "xxh3_128"):
+                 checksum: str = "xxh3_128", max_consecutive_failures: int = 3):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
         self.replicas = [Replica(u) for u in servers]
@@ -70,6 +72,7 @@ class RemoteEngine:
         self.update_timeout_s = update_timeout_s
         self.ssl = tls_context(ca_file)  # https: checked against ca_file (else the system's CAs)
         self.checksum = checksum  # the per-bucket digest on the wire (rollout.remote.checksum)
+        self.max_consecutive_failures = max_consecutive_failures
         self.version = 0  # the version every serving replica must hold
         self.log = log or (lambda msg: print(f"mgrpo: {msg}", file=sys.stderr, flush=True))
         self.headers = {"Authorization": f"Bearer {token}"}
@@ -157,7 +160,7 @@ class RemoteEngine:
                 "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
                 "skip_special_tokens": False, "n": 1,
                 "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else []}
-        tried: set = set()
+        tried, last = set(), ""
         for attempt in range(self.retries + 1):
             replica = await self._pick(cond, tried)
             tried.add(replica.name)
@@ -171,18 +174,24 @@ class RemoteEngine:
                                                 f"{(await resp.text())[:300]}")
                     data = await resp.json()
                     version = int(resp.headers.get(VERSION_HEADER, -1))
-                replica.served += 1
+                replica.served, replica.consecutive = replica.served + 1, 0
                 return _response(data, version, replica.name)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 what = f"timed out after {self.request_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError) \
                     else f"{type(exc).__name__}: {exc}"
-                self.mark_down(replica, what)
+                last = f"{replica.name}: {what}"
+                replica.consecutive += 1
+                # gone (nothing listens) -> out at once; slow or 5xx (it may only be queueing) -> after N in a row
+                if isinstance(exc, aiohttp.ClientConnectorError) or \
+                        replica.consecutive >= self.max_consecutive_failures:
+                    self.mark_down(replica, what)
                 if attempt < self.retries:
                     await asyncio.sleep(self.backoff_s * (2 ** attempt))
             finally:
                 await self._release(cond, replica)
         raise self.no_replica_left() if not self.serving() else RemoteEngineError(
-            f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts)")
+            f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts); last: "
+            f"{last}")
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
@@ -258,7 +267,8 @@ def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
     engine = RemoteEngine(servers, server_token(r.token_file), tokenizer.eos_token_id,
                           connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
                           max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
-                          update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum)
+                          update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum,
+                          max_consecutive_failures=r.max_consecutive_failures)
     engine.log(f"rollout servers: {', '.join(x.name for x in engine.replicas)} (weight version {engine.version}, "
                f"reached in {time.time() - started:.1f} s)")
     return engine
