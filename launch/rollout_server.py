@@ -13,24 +13,17 @@ are refused there (they would slip past the loopback check).
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mgrpo.netutil import is_loopback  # noqa: E402  (no torch: refusals stay fast)
 
 
 def fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 class TokenError(ValueError):

@@ -80,11 +80,13 @@ def check_remote(r) -> list:
     if not r.servers:
         e.append("rollout.engine=remote needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
                  "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)")
+    from mgrpo.netutil import is_loopback_url
+
     m = r.remote
     for url in r.servers:
         if not url.startswith(("http://", "https://")):
             e.append(f"rollout.servers: {url!r} is not an http:// or https:// URL")
-        elif url.startswith("http://") and not m.allow_plain_http and not _loopback_url(url):
+        elif url.startswith("http://") and not m.allow_plain_http and not is_loopback_url(url):
             e.append(f"rollout.servers: {url!r} is plain http to another host: the token would travel in clear; "
                      f"serve TLS and use https://, or set rollout.remote.allow_plain_http=true on a trusted network")
     e += must("rollout.remote.max_consecutive_failures", m.max_consecutive_failures,
@@ -102,19 +104,6 @@ def check_remote(r) -> list:
     e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
               ">= 1")
     return e
-
-
-def _loopback_url(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_checkpoint(c) -> list:

@@ -14,7 +14,7 @@ from mgrpo.data.batching import build_generation_batch, describe_batching, seque
 from mgrpo.data.dataset import PromptStream, load_run_data
 from mgrpo.data.dynamic_sampling import collect, unit_groups
 from mgrpo.data.tokenizer import load_tokenizer
-from mgrpo.logging import RunLogger, entropy_due
+from mgrpo.logging import RunLogger
 from mgrpo.loss.advantages import compute_advantages
 from mgrpo.loss.kl import penalize_rewards
 from mgrpo.metrics import step_metrics
@@ -96,8 +96,7 @@ class GRPOTrainer:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
         with timer("rollout"):
             samples, extra = self.collect(step)
-        batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0,
-                                       log_entropy=entropy_due(self.cfg.logging, step))
+        batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0, step=step)
         for key, actor in (("old_logp", self.actor if batch.needs_old_logprobs else None), ("ref_logp", self.ref)):
             if actor is not None:
                 with timer(key.replace("_logp", "_logprob")):

@@ -2,28 +2,26 @@
 (one in-process run): the flags reach the loss, the mask keeps about the asked share, the run header names both
 sources, and the logged entropies equal HF transformers' own entropy of the same tokens at the rollout weights."""
 import json
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Q = 0.2
 
 
 @pytest.fixture(scope="module")
 def run(single_rank, tiny_dirs, tmp_path_factory):
-    from mgrpo.config import describe_algorithm, load_config
+    from mgrpo.config import describe_algorithm
     from mgrpo.trainer import GRPOTrainer
+    from run_configs import tiny_run_config
 
     out = tmp_path_factory.mktemp("entropy") / "run"
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", "2",
-        "--logging.report", "false", "--logging.tensorboard", "false", "--logging.completions_interval", "1",
-        "--logging.log_entropy", "true", "--logging.completions_token_ids", "true", "--algorithm.loss_type", "sapo",
-        "--algorithm.top_entropy_quantile", str(Q), "--rollout.temperature", "0.9"])
+    cfg = tiny_run_config(
+        model, out, "--train.steps", "2", "--logging.report", "false", "--logging.tensorboard", "false",
+        "--logging.completions_interval", "1", "--logging.log_entropy", "true", "--logging.completions_token_ids",
+        "true", "--algorithm.loss_type", "sapo", "--algorithm.top_entropy_quantile", str(Q),
+        "--rollout.temperature", "0.9")
     history = GRPOTrainer(cfg).fit()
     rows = [json.loads(line) for line in open(out / "completions.jsonl")]
     return cfg, model, history, rows, describe_algorithm(cfg)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from mgrpo.config import load_config
 from mgrpo.validation import pass_at_k
+from run_configs import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,12 +30,10 @@ def val_run(single_rank, tiny_dirs, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("val") / "run"
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", "3",
-        "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.interval", "2", "--eval.n", "4",
-        "--eval.temperature", "1.0", "--eval.k", "[2, 4]", "--eval.pass_threshold", "0.05"])
-    cfg.model.tiny = None
+    cfg = tiny_run_config(
+        model, out, "--train.steps", "3", "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"),
+        "--eval.interval", "2", "--eval.n", "4", "--eval.temperature", "1.0", "--eval.k", "[2, 4]",
+        "--eval.pass_threshold", "0.05")
     history = GRPOTrainer(cfg).fit()
     rows = [json.loads(line) for line in open(out / "val_generations.jsonl")]
     return history, rows, cfg
@@ -67,12 +65,9 @@ def test_greedy_validation_is_deterministic_and_pass_at_1_is_the_pass_rate(singl
     from mgrpo.trainer import GRPOTrainer
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false", "--train.steps", "1",
-        "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.interval", "1",
-        "--eval.pass_threshold", "0.05"])  # the defaults: greedy, n = 1
-    cfg.model.tiny = None
+    cfg = tiny_run_config(model, tmp_path / "run", "--train.steps", "1", "--eval.path",
+                          os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.interval", "1",
+                          "--eval.pass_threshold", "0.05")  # the defaults: greedy, n = 1
     trainer = GRPOTrainer(cfg)
     first, second = trainer.validator.run(0, trainer.version), trainer.validator.run(1, trainer.version)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "val_generations.jsonl")]

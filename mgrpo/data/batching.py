@@ -113,7 +113,12 @@ def describe_batching(cfg, dp: int) -> str:
 
 
 def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
-                           log_entropy: bool = False) -> GenerationBatch:
+                           step: int | None = None) -> GenerationBatch:
+    """The step's samples as mini-batches of this rank's micro-batches; `step` (the trainer's) decides whether
+    completions.jsonl wants per-token entropies this step (logging.log_entropy)."""
+    from mgrpo.logging import entropy_due
+
+    log_entropy = step is not None and entropy_due(cfg.logging, step)
     alg, t = cfg.algorithm, cfg.train
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
                            dtype=torch.float64)
