@@ -100,6 +100,8 @@ def check_remote(r) -> list:
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
+    if m.run_id and not (len(m.run_id) <= 64 and m.run_id.isascii() and m.run_id.isprintable()):
+        e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a random one)")
     e += must("rollout.remote.retries", m.retries, m.retries >= 0, ">= 0", "0 = never retry a request")
     e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
               ">= 1")

@@ -2,7 +2,8 @@
 a megatron actor in HTTP buckets. After a push the servers' logprobs equal the trainer's forward; every route but
 /health wants the token (the routes listed from the app itself); a tampered bucket is rejected and the old version
 serves; a killed, hung (SIGSTOP) or restarted server is reported, excluded, and given the current weights before
-it serves again. Two replicas train the tiny task through the launcher.
+it serves again. Two replicas train the tiny task through the launcher, taking the servers over from these tests'
+run; one replica's load hangs mid-run: it is poisoned and the run finishes on the other.
 
 One server serves the module (a start costs ~40 s on 2 cores); the fault tests restart it on the same port.
 """
@@ -56,6 +57,7 @@ def server(dirs):
 def connect(server, dirs, **kw):
     from mgrpo.data.tokenizer import load_tokenizer
 
+    kw.setdefault("run_id", "remote-tests")  # one trainer run: each connect() is a new process of it
     return RemoteEngine([server.url], TOKEN, load_tokenizer(dirs["base"]).eos_token_id, **kw)
 
 
@@ -193,39 +195,65 @@ def test_a_killed_server_is_named_and_a_restarted_one_gets_the_weights(single_ra
 
 
 def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
-    """The launcher with --rollout.engine remote over two servers: the reward rises, requests are spread over both
-    (counted per server in the metrics), and every sample of step s carries weight version s on both."""
+    """The launcher with --rollout.engine remote over two servers, taking them over from this module's run: the
+    reward rises and requests are spread over both (counted per server in the metrics) until the second one's load
+    hangs past its --update-timeout-s (a test hook): it answers 503, is poisoned, never rejoins, and the run ends on
+    the first. Every sample of step s carries weight version s; the token is nowhere in the trainer's output."""
     from mgrpo.parallel.distributed import free_port
 
-    second = Server(dirs["base"], free_port(), str(dirs["logs"] / "second.log"))
+    delay = tmp_path / "load-delay"
+    second = Server(dirs["base"], free_port(), str(dirs["logs"] / "second.log"), args=["--update-timeout-s", "4"],
+                    env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)})
     try:
         out = tmp_path / "run"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT")}
         env["MGRPO_SERVER_TOKEN"] = TOKEN
-        steps = 12
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                            os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"],
-                            "--rollout.engine", "remote", "--rollout.servers", f"{server.url},{second.url}",
-                            "--train.steps", str(steps), "--logging.output_dir", str(out),
-                            "--logging.progress_bar", "false", "--logging.report", "false",
-                            "--logging.completions_interval", "1"],
-                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-        assert r.returncode == 0, r.stderr[-4000:]
+        steps, hang_after = 12, 6
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
+                                 os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"],
+                                 "--rollout.engine", "remote", "--rollout.servers", f"{server.url},{second.url}",
+                                 "--rollout.remote.take_over", "true",
+                                 "--train.steps", str(steps), "--logging.output_dir", str(out),
+                                 "--logging.progress_bar", "false", "--logging.report", "false",
+                                 "--logging.completions_interval", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        watcher = threading.Thread(target=_hang_after, args=(out / "metrics.jsonl", hang_after, delay, proc))
+        watcher.start()
+        log, _ = proc.communicate(timeout=900)
+        watcher.join()
+        assert proc.returncode == 0, log[-4000:]
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
         first5 = sum(m["reward/mean"] for m in rows[:5]) / 5
         last5 = sum(m["reward/mean"] for m in rows[-5:]) / 5
         keys = [f"rollout/requests/{s.url[7:]}" for s in (server, second)]
         spread = [(m.get(keys[0], 0), m.get(keys[1], 0)) for m in rows]
-        print(f"two replicas: reward first5 {first5:.3f} -> last5 {last5:.3f}; requests per step {spread[:3]}...")
+        print(f"two replicas: reward first5 {first5:.3f} -> last5 {last5:.3f}; requests per step {spread}")
         assert last5 >= first5 + 0.2
-        assert all(a > 0 and b > 0 and a + b == 64 for a, b in spread), spread
+        assert all(a + b == 64 for a, b in spread), spread
+        cut = next(i for i, (_, b) in enumerate(spread) if b == 0)  # the first step after the hung load
+        assert hang_after <= cut < steps - 2 and all(a > 0 and b > 0 for a, b in spread[:cut]), spread
+        assert all(b == 0 for _, b in spread[cut:]), "a poisoned replica never serves again"
+        assert f"rollout server {second.url[7:]} excluded" in log and "did not finish within --update-timeout-s" in log
         for c in (json.loads(line) for line in open(out / "completions.jsonl")):
             assert c["weight_version"] == c["step"], "every sample of step s was made with version s"
-        versions = [json.loads(http(s.url + "/mgrpo/version")[1])["version"] for s in (server, second)]
-        assert versions == [steps, steps]
+        assert json.loads(http(server.url + "/mgrpo/version")[1])["version"] == steps
+        assert json.loads(http(second.url + "/mgrpo/version")[1])["poisoned"]
+        assert http(second.url + "/health", token=None)[0] == 503
+        assert "takes the server over from run remote-tests" in open(server.log_path).read()
+        files = [log] + [open(p, errors="replace").read() for p in out.rglob("*") if p.is_file()]
+        assert not [f for f in files if TOKEN in f], "the token is in the trainer's output"
     finally:
         second.stop()
+
+
+def _hang_after(metrics, steps: int, delay, proc) -> None:
+    """Once `steps` steps are logged, every later load on the second server sleeps past its deadline."""
+    while proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            delay.write_text("30")
+            return
+        time.sleep(0.2)
 
 
 def test_server_refusals_are_one_line(dirs, tmp_path):

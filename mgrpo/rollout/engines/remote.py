@@ -6,13 +6,17 @@ version (`x-mgrpo-weight-version`) out. Requests go to the replica with the fewe
 `rollout.remote.max_inflight_per_server` each; a request that fails to connect, times out or gets a 5xx is retried
 on another replica after a backoff (`retries` times). A replica where nothing listens is excluded at once, one that
 times out or answers 5xx after `max_consecutive_failures` failed requests in a row (a timeout may be queueing); it
-rejoins at the next weight update once GET /health answers again (not poisoned) and it has loaded that update. Only when no replica is left
-does the call fail, with one line naming every server and why.
+rejoins at the next weight update once GET /health answers again (not poisoned) and it has loaded that update.
+Only when no replica is left does the call fail, with one line naming every server and why.
+
+Weight updates name this trainer run (`rollout.remote.run_id`: random for a fresh run, the checkpoint's when
+resumed) and this process; a server that another run owns is refused at start unless `rollout.remote.take_over`.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,7 +66,8 @@ class RemoteEngine:
     def __init__(self, servers: list, token: str, eos_token_id: int | None, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 30.0, max_inflight_per_server: int = 64, retries: int = 2,
                  backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None, ca_file: str = "",
-                 checksum: str = "xxh3_128", max_consecutive_failures: int = 3):
+                 checksum: str = "xxh3_128", max_consecutive_failures: int = 3, run_id: str = "",
+                 take_over: bool = False):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
         self.replicas = [Replica(u) for u in servers]
@@ -76,14 +81,24 @@ class RemoteEngine:
         self.version = 0  # the version every serving replica must hold
         self.log = log or (lambda msg: print(f"mgrpo: {msg}", file=sys.stderr, flush=True))
         self.headers = {"Authorization": f"Bearer {token}"}
+        self.run_id, self.attempt = run_id or secrets.token_hex(8), secrets.token_hex(4)
+        self.take_over = take_over
+        owned = []
         for r in self.replicas:  # start with those that answer; the others rejoin at a weight update
             try:
                 info = self.get(r, "/mgrpo/version")
                 if info.get("poisoned"):
                     raise RemoteEngineError(f"rollout server {r.name} is poisoned: {info['poisoned']}")
                 r.version = info["version"]
+                owner = (info.get("owner") or {}).get("run")
+                if owner not in (None, self.run_id):
+                    owned.append(f"{r.name} (run {owner}, version {r.version})")
             except RemoteEngineError as exc:
                 self.mark_down(r, str(exc))
+        if owned and not take_over:
+            raise RemoteEngineError(f"rollout servers {', '.join(owned)} take weights from another trainer run, not "
+                                    f"this one ({self.run_id}): stop that trainer, or set rollout.remote.take_over: "
+                                    f"true to take them over")
         if not any(r.up for r in self.replicas):
             raise self.no_replica_left()
         self.version = max(r.version for r in self.replicas if r.up)
@@ -200,6 +215,13 @@ class RemoteEngine:
         return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s,
                                                                    algo=self.checksum), **kwargs))
 
+    def update_headers(self) -> dict:
+        """What every PUT and commit carries: the token, this run and this process (serving/ownership.py)."""
+        from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
+
+        return dict(self.headers, **{RUN_HEADER: self.run_id, ATTEMPT_HEADER: self.attempt},
+                    **({TAKE_OVER_HEADER: "1"} if self.take_over else {}))
+
     def rejoin_candidates(self) -> list:
         """Replicas to push the next update to: those up, and those down that answer /health again."""
         out = []
@@ -257,6 +279,21 @@ def _response(data: dict, version: int, server: str) -> GenerationResponse:
     return GenerationResponse(ids, lps, reason, [version] * len(ids), served_by=server)
 
 
+def run_identity(cfg) -> str:
+    """rollout.remote.run_id, resolved in place (the checkpoint's config.yaml keeps it): as set, else the resumed
+    checkpoint's, else a new random one."""
+    r = cfg.rollout.remote
+    if not r.run_id and cfg.checkpoint.resume:
+        import yaml
+
+        from mgrpo.checkpoint import resolve
+
+        with open(os.path.join(resolve(cfg.checkpoint.resume, cfg.checkpoint.save_dir), "config.yaml")) as f:
+            r.run_id = str((((yaml.safe_load(f) or {}).get("rollout") or {}).get("remote") or {}).get("run_id") or "")
+    r.run_id = r.run_id or secrets.token_hex(8)
+    return r.run_id
+
+
 @register_engine("remote")
 def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
     r = cfg.rollout.remote
@@ -268,7 +305,8 @@ def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
                           connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
                           max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
                           update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum,
-                          max_consecutive_failures=r.max_consecutive_failures)
+                          max_consecutive_failures=r.max_consecutive_failures, run_id=run_identity(cfg),
+                          take_over=r.take_over)
     engine.log(f"rollout servers: {', '.join(x.name for x in engine.replicas)} (weight version {engine.version}, "
-               f"reached in {time.time() - started:.1f} s)")
+               f"reached in {time.time() - started:.1f} s; trainer run {engine.run_id})")
     return engine

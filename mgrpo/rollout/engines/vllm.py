@@ -55,11 +55,12 @@ class VLLMEngine:
                  max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_gb: float = 1.0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  start_timeout_s: float = 600.0, log_path: str | None = None, update_ring: int | None = None,
-                 update_checksum: bool = False):
+                 update_checksum: bool = False, update_timeout_s: float = 600.0):
         import torch
 
         self.model_dir, self.eos = model_dir, eos_token_id
         self.update_ring, self.update_checksum = update_ring, update_checksum
+        self.update_timeout_s = update_timeout_s  # one weight update, end to end (the control socket's deadline)
         self.dir = local_rpc.private_dir("mgrpo-vllm-")
         self.socket, self.token = os.path.join(self.dir, "engine.sock"), local_rpc.new_token()
         self.log_path = log_path or os.path.join(self.dir, "engine.log")
@@ -109,7 +110,7 @@ class VLLMEngine:
         self.close()
         raise EngineStartError(f"vLLM engine did not start within {timeout:g} s (log {self.log_path}):\n{tail}")
 
-    def call(self, op: str, timeout: float | None = None, **kwargs):
+    def call(self, op: str, timeout: float = 600.0, **kwargs):
         return local_rpc.call(self.socket, self.token, op, timeout=timeout, **kwargs)
 
     async def generate(self, requests: list, sampling: SamplingParams) -> list:
@@ -121,7 +122,8 @@ class VLLMEngine:
                 for o in out]
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum), **kwargs)
+        kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum,
+                           update_timeout_s=self.update_timeout_s), **kwargs)
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
     def health(self) -> dict:
@@ -170,7 +172,7 @@ def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
                       tensor_parallel_size=v.tensor_parallel_size,
                       gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
                       start_timeout_s=v.start_timeout_s, log_path=log, update_ring=v.update_ring,
-                      update_checksum=v.update_checksum)
+                      update_checksum=v.update_checksum, update_timeout_s=r.request_timeout_s)
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
     return engine

@@ -72,14 +72,15 @@ async def async_recv(reader: asyncio.StreamReader):
         raise RpcError("connection closed by the other side") from None
 
 
-def connect(path: str, timeout: float | None = None) -> socket.socket:
+def connect(path: str, timeout: float) -> socket.socket:
+    """A connection whose every send and receive fails after `timeout` seconds (socket.timeout, an OSError)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     sock.connect(path)
     return sock
 
 
-def call(path: str, token: str, op: str, timeout: float | None = None, **kwargs):
+def call(path: str, token: str, op: str, timeout: float = 600.0, **kwargs):
     """One blocking request/reply on a fresh connection; raises RpcError with the other side's message."""
     with connect(path, timeout) as sock:
         send(sock, dict(kwargs, op=op, token=token))

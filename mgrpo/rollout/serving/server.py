@@ -162,7 +162,10 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
             announce = asyncio.create_task(_announce_when_up(args.host, args.port, listen_address, on_ready,
                                                              tls=bool(getattr(args, "ssl_certfile", None))))
             shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level="warning",
-                                        access_log=False, timeout_keep_alive=300)  # returns when the server stops
+                                        access_log=False, timeout_keep_alive=300,  # returns when the server stops
+                                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                                        ssl_ciphers=args.ssl_ciphers)
             announce.cancel()
         await shutdown
     finally:

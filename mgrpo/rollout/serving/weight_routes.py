@@ -5,20 +5,24 @@
     POST /mgrpo/weights/{version}/commit    {"count", "digests": [...]}: pause generation, load every staged bucket
                                             through the worker (complete, nothing unknown, shapes, dtypes), reset
                                             the prefix cache, stamp the version, resume
-    GET  /mgrpo/version                     version, poisoned, updating, staged: what a client asks before resending
+    GET  /mgrpo/version                     version, poisoned, updating, staged, owner: what a client asks first
     GET  /mgrpo/stats, /mgrpo/routes        requests served and in flight; every route of the app (for audits)
 
 One lock covers staging and commit. A PUT for the version being committed answers 409 at once (it never waits to
 rewrite a file the worker has mapped), and so does a commit while another runs. Pause and load have a deadline
 (`--update-timeout-s`): past it, or when a load fails half-way, or when vLLM keeps blocks and refuses to reset its
 prefix cache, the server is poisoned: generation and GET /health answer 503 with the reason, PUT and commit 409,
-until it is restarted.
+until it is restarted. Every PUT and commit names its trainer run and process; `ownership.py` refuses another
+trainer (409, unless it takes over) and any version not newer than the run's last (no rollback).
 """
 # (no `from __future__ import annotations`: FastAPI reads the route signatures at runtime)
 
 import asyncio
 import os
+import sys
 import time
+
+from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER, Ownership
 
 MAX_COMMIT_BODY = 1 << 20  # the commit's JSON: a digest per bucket
 
@@ -28,6 +32,7 @@ class UpdateState:
         self.lock = asyncio.Lock()
         self.poisoned = None  # why the engine may hold a mix of versions; then nothing is served
         self.committing = None  # the version being applied, or None
+        self.owner = Ownership(log=lambda msg: print(f"mgrpo-server: {msg}", file=sys.stderr, flush=True))
 
 
 def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, expected: dict, optional: list,
@@ -49,6 +54,18 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
             return error(409, f"version {version} is being committed; a bucket of it cannot change now")
         return None
 
+    def not_owner(version: int, request):
+        """409 for another trainer or an old version (under the lock: a new owner drops what another staged)."""
+        h = request.headers
+        before = (update.owner.run, update.owner.attempt)
+        why = update.owner.refusal(h.get(RUN_HEADER, ""), h.get(ATTEMPT_HEADER, ""), version,
+                                   h.get(TAKE_OVER_HEADER, "") == "1")
+        if why:
+            return error(409, why)
+        if (update.owner.run, update.owner.attempt) != before:
+            staging.reset(None)
+        return None
+
     @app.put("/mgrpo/weights/{version}/{index}")
     async def put_bucket(version: int, index: int, request: Request):
         refused = refusal(version)
@@ -63,7 +80,7 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
         except BucketError as exc:
             return error(400, str(exc))
         async with update.lock:
-            refused = refusal(version)
+            refused = refusal(version) or not_owner(version, request)
             if refused:
                 return refused
             try:
@@ -101,6 +118,9 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
         body = await request.json()
         count, digests = int(body.get("count", -1)), list(body.get("digests") or [])
         async with update.lock:
+            refused = not_owner(version, request)
+            if refused:
+                return refused
             have = {i: sha for i, (_, sha, _) in staging.buckets.items()} if staging.version == version else {}
             if count != len(digests) or have != dict(enumerate(digests)):
                 missing = sorted(set(range(len(digests))) - set(have))[:5]
@@ -111,7 +131,8 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
                 result = await _apply(version, [staging.buckets[i][0] for i in range(count)])
             finally:
                 update.committing = None
-            if gate.version == version:
+            if isinstance(result, dict):  # applied (an error is a response)
+                update.owner.committed(version)
                 staging.reset(None)
             return result
 
@@ -153,7 +174,7 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
     @app.get("/mgrpo/version")
     async def version_info():
         return {"version": gate.version, "poisoned": update.poisoned, "updating": update.committing,
-                "staged_version": staging.version, "staged": sorted(staging.buckets)}
+                "staged_version": staging.version, "staged": sorted(staging.buckets), "owner": update.owner.state()}
 
     @app.get("/mgrpo/routes")
     async def routes():

@@ -134,7 +134,8 @@ class HttpBucketTransport:
         conn = self._conn(replica)
         try:
             conn.putrequest(method, path)
-            conn.putheader("Authorization", f"Bearer {self.engine.token}")
+            for key, value in self.engine.update_headers().items():  # the token, this run and process
+                conn.putheader(key, value)
             data = json.dumps(body).encode() if body is not None else None
             conn.putheader("Content-Type", "application/json" if data is not None else "application/octet-stream")
             if parts:

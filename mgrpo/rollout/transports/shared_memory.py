@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import socket
 import time
 from typing import Iterable
 
@@ -35,7 +36,7 @@ class _WorkerStopped(Exception):
 
 class SharedMemoryTransport:
     def __init__(self, engine, bucket_bytes: int, ring: int | None = None, buffer_kind: str | None = None,
-                 checksum: bool = False, accept_timeout_s: float = 300.0):
+                 checksum: bool = False, accept_timeout_s: float = 300.0, update_timeout_s: float = 600.0):
         self.engine, self.bucket_bytes, self.checksum = engine, int(bucket_bytes), checksum
         self.kind = buffer_kind or ("cuda_ipc" if torch.cuda.is_available() else "posix")
         self.ring = (0 if self.kind == "posix" else 2) if ring is None else ring
@@ -47,6 +48,7 @@ class SharedMemoryTransport:
         self.prefix = buffer_prefix(os.getpid(), engine.token)
         self.buffers: list = []
         self.accept_timeout_s = accept_timeout_s
+        self.update_timeout_s = update_timeout_s  # the engine's receipt (after its load) must come within this
 
     def _buffer(self, slot: int, nbytes: int):
         while len(self.buffers) <= slot:
@@ -84,7 +86,7 @@ class SharedMemoryTransport:
         draining `named_tensors`, which every rank drives) if the engine rejects or fails the update."""
         t0, wall0 = time.perf_counter(), time.time()
         stream = iter(named_tensors)
-        ctl = local_rpc.connect(self.engine.socket, timeout=None)
+        ctl = local_rpc.connect(self.engine.socket, timeout=self.update_timeout_s)
         link = {"sock": None}
 
         def worker():
@@ -101,9 +103,12 @@ class SharedMemoryTransport:
                 if link["sock"] is not None:
                     link["sock"].close()
             reply = local_rpc.recv(ctl)
-        except WeightSyncError:
+        except (WeightSyncError, socket.timeout) as exc:
             for _ in stream:  # the export is a collective every rank must finish
                 pass
+            if isinstance(exc, socket.timeout):
+                raise WeightSyncError(f"engine {self.engine.name} did not answer weight version {version} within "
+                                      f"{self.update_timeout_s:g} s (rollout.request_timeout_s)") from None
             raise
         finally:
             ctl.close()
