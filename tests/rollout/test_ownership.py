@@ -25,3 +25,30 @@ def test_the_rules():
     for bad in ("", "x" * 65, "caf\u00e9", "a\nb"):
         assert "x-mgrpo-run" in own.refusal(bad, "p", 1)
     assert own.state()["run"] == "runB"
+
+
+def test_a_resumed_run_keeps_its_run_id(tmp_path):
+    """rollout.remote.run_id: random for a fresh run; --resume takes the checkpoint's (its config.yaml), so the
+    servers see the same run and accept the checkpoint's version again."""
+    import os
+
+    import yaml
+
+    from mgrpo.config import load_config, to_dict
+    from mgrpo.rollout.engines.remote import run_identity
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = ["--rollout.engine", "remote", "--rollout.servers", "http://127.0.0.1:1"]
+    fresh = [run_identity(load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), args, check_files=False))
+             for _ in range(2)]
+    assert fresh[0] != fresh[1] and len(fresh[0]) == 16
+    saved = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), args, check_files=False)
+    saved.rollout.remote.run_id = "run-from-ckpt"
+    (tmp_path / "step_000004").mkdir()
+    (tmp_path / "step_000004" / "config.yaml").write_text(yaml.safe_dump(to_dict(saved)))
+    resumed = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"),
+                          args + ["--checkpoint.resume", str(tmp_path / "step_000004")], check_files=False)
+    assert run_identity(resumed) == "run-from-ckpt" == resumed.rollout.remote.run_id
+    pinned = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"),
+                         args + ["--rollout.remote.run_id", "mine"], check_files=False)
+    assert run_identity(pinned) == "mine"
