@@ -13,6 +13,7 @@ are refused there (they would slip past the loopback check).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -59,7 +60,7 @@ def write_token(path: str, token: str) -> None:
         f.write(token + "\n")
 
 
-PASS_THROUGH_REFUSED = ("--host", "--port", "--uds")
+PASS_THROUGH_REFUSED = ("--host", "--port", "--uds", "--weight-transfer-config")
 
 
 def main(argv=None) -> int:
@@ -81,6 +82,14 @@ def main(argv=None) -> int:
                     help="deadline for pausing generation and loading one update; past it the server is poisoned")
     ap.add_argument("--ssl-certfile", default=None, help="TLS certificate (required off loopback)")
     ap.add_argument("--ssl-keyfile", default=None, help="TLS private key (required off loopback)")
+    ap.add_argument("--transport", choices=("http", "collective"), default="http",
+                    help="how weights arrive: http buckets (always served) and, with collective, a broadcast into "
+                         "vLLM's weight-transfer engine over gloo (CPU) or NCCL (GPU)")
+    ap.add_argument("--collective-host", default="127.0.0.1",
+                    help="address the collective rendezvous and data connections bind (no authentication on that "
+                         "plane: keep it on a private network)")
+    ap.add_argument("--collective-join-timeout-s", type=float, default=60.0,
+                    help="how long the workers wait for the trainer's senders to join a new group")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -122,6 +131,13 @@ def main(argv=None) -> int:
     from mgrpo.rollout.serving.server import serve, vllm_args
 
     tls = ["--ssl-certfile", args.ssl_certfile, "--ssl-keyfile", args.ssl_keyfile] if args.ssl_certfile else []
+    collective = None
+    if args.transport == "collective":
+        from mgrpo.rollout.serving.collective_receiver import BACKEND
+
+        collective = dict(host=args.collective_host, backend="nccl" if torch.cuda.is_available() else "gloo",
+                          join_timeout_s=args.collective_join_timeout_s)
+        tls += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     vargs = vllm_args(os.path.abspath(args.model), args.host, args.port, dtype, args.seed, args.max_model_len,
                       args.max_num_seqs, tls + extra)
 
@@ -131,7 +147,7 @@ def main(argv=None) -> int:
     try:
         uvloop.run(serve(vargs, token, args.max_bucket_mb << 20, ready, update_timeout_s=args.update_timeout_s,
                          max_staged_bytes=int(args.max_staged_gb * (1 << 30)) if args.max_staged_gb else None,
-                         max_staged_buckets=args.max_staged_buckets))
+                         max_staged_buckets=args.max_staged_buckets, collective=collective))
     except OSError as exc:
         if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
             return fail(f"--port {args.port}: address {args.host}:{args.port} is already in use; pick another port",

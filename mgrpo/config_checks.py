@@ -100,6 +100,9 @@ def check_remote(r) -> list:
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
+    if m.transport not in ("http", "collective"):
+        e.append(f"rollout.remote.transport={m.transport!r}; use http or collective (start the servers with "
+                 f"--transport collective)")
     if m.run_id and not (len(m.run_id) <= 64 and m.run_id.isascii() and m.run_id.isprintable()):
         e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a random one)")
     e += must("rollout.remote.retries", m.retries, m.retries >= 0, ">= 0", "0 = never retry a request")

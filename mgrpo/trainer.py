@@ -22,9 +22,8 @@ from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
-from mgrpo.resharding.export import export_hf
-from mgrpo.rollout.manager import (RolloutManager, engine_owners, needs_initial_weights, owner_index, push_weights,
-                                  start_engine)
+from mgrpo.rollout.manager import (RolloutManager, engine_owners, make_transport, needs_initial_weights, owner_index,
+                                  push_weights, start_engine)
 from mgrpo.validation import Validator
 
 
@@ -43,7 +42,7 @@ class GRPOTrainer:
         self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
-        self.transport = self.engine.weight_transport(cfg.rollout.update_bucket_mb << 20) if self.engine else None
+        self.transport = make_transport(cfg, self.engine)  # on engine owners (collective: on every rank)
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
         self.saver, self.version = Saver(cfg), 0
@@ -89,8 +88,8 @@ class GRPOTrainer:
     def sync_weights(self) -> None:
         """Every DP replica that has an engine exports to it (views, one copy into the engine)."""
         self.version += 1
-        tensors = export_hf(self.actor.models(), dst=self.owners, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
-        push_weights(self.transport, tensors, self.version, list(self.owners.values()))
+        push_weights(self.transport, self.actor.models(), self.version, self.owners,
+                     self.cfg.rollout.update_bucket_mb << 20)
 
     def step(self, step: int) -> dict:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm

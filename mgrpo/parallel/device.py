@@ -14,6 +14,7 @@ tensors are checked and then not communicated (they hold no data), CPU tensors o
 from __future__ import annotations
 
 import contextlib
+import json
 import functools
 
 import torch
@@ -106,3 +107,23 @@ def checked_collectives():
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
+
+
+def share_json(payload, owners: list) -> list:
+    """Each owner's JSON-serialisable payload, on every rank, in owner order (bytes, never pickle).
+
+    One broadcast per owner rather than an all-gather: on these CPU machines a gloo all_gather of a few hundred
+    KB left the next training step ~40% slower (measured: train 0.31 s with broadcasts, 0.44-0.53 s after an
+    all_gather of the same bytes), and only owners have anything to send.
+    """
+    me = dist.get_rank()
+    out = []
+    for src in owners:
+        data = json.dumps(payload).encode() if me == src else b""
+        size = torch.tensor([len(data)], dtype=torch.long)
+        dist.broadcast(size, src, group=cpu_group())
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
+            torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src, group=cpu_group())
+        out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
+    return out

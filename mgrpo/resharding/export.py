@@ -123,6 +123,27 @@ def _buckets_of(stream, bucket_bytes: int):
         yield cur
 
 
+def stage_senders() -> list:
+    """Global ranks of each PP stage's (DP0, TP0, CP0) rank, by stage: the senders of `stage_buckets`."""
+    coords = _coords()
+    return [next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
+            for stage in range(mpu.get_pipeline_model_parallel_world_size())]
+
+
+def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """This PP stage's weights as full HF tensors in lists of about `bucket_bytes`, yielded on the stage's (DP0, TP0,
+    CP0) rank only; the stage's other TP ranks of DP0/CP0 take part in the gathers; every other rank returns at
+    once. Stages run at the same time and nothing crosses stages: no rank holds more than its stage's buckets."""
+    if mpu.get_data_parallel_rank() != 0 or mpu.get_context_parallel_rank() != 0:
+        return
+    stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes)
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        yield from _buckets_of(stream, bucket_bytes)
+    else:
+        for _ in stream:
+            pass
+
+
 def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 

@@ -12,14 +12,13 @@ engine.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from mgrpo.data.dataset import encode_prompt
-from mgrpo.parallel.device import cpu_group
+from mgrpo.parallel.device import cpu_group, share_json
 from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams
 from mgrpo.schedulers.driver import fail_aborted
@@ -166,26 +165,6 @@ def prompt_ids(tokenizer, row: dict, apply_chat_template: bool = True) -> list:
     return list(ids) if ids is not None else encode_prompt(tokenizer, row["messages"], apply_chat_template)
 
 
-def share_json(payload, owners: list) -> list:
-    """Each owner's JSON-serialisable payload, on every rank, in owner order (bytes, never pickle).
-
-    One broadcast per owner rather than an all-gather: on these CPU machines a gloo all_gather of a few hundred
-    KB left the next training step ~40% slower (measured: train 0.31 s with broadcasts, 0.44-0.53 s after an
-    all_gather of the same bytes), and only owners have anything to send.
-    """
-    me = dist.get_rank()
-    out = []
-    for src in owners:
-        data = json.dumps(payload).encode() if me == src else b""
-        size = torch.tensor([len(data)], dtype=torch.long)
-        dist.broadcast(size, src, group=cpu_group())
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
-            torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src, group=cpu_group())
-        out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
-    return out
-
-
 def fail_together(error: str | None, owners: list) -> None:
     """Every rank learns whether any engine owner failed (one small broadcast per owner) and raises the first
     owner's message: a failed engine start or weight update stops all ranks with one line, instead of leaving
@@ -219,15 +198,34 @@ def needs_initial_weights(cfg) -> bool:
     return cfg.rollout.engine == "remote"
 
 
-def push_weights(transport, named_tensors, version: int, owners: list) -> None:
+def make_transport(cfg, engine):
+    """The weight transport: the engine's own, on the ranks that own an engine; for remote servers with
+    `rollout.remote.transport: collective`, one on every rank (each pipeline stage sends its own weights)."""
+    bucket_bytes = cfg.rollout.update_bucket_mb << 20
+    if cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective":
+        from mgrpo.rollout.transports.collective import CollectiveTransport
+
+        return CollectiveTransport(engine, bucket_bytes, bind=cfg.rollout.remote.collective_bind,
+                                   timeout_s=cfg.rollout.remote.update_timeout_s)
+    return engine.weight_transport(bucket_bytes) if engine is not None else None
+
+
+def push_weights(transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int) -> None:
     """Every rank drives the export (a collective); engine owners push it to their engine; then all ranks fail
-    together if any engine rejected it (the rejecting engine still serves its old version)."""
-    error = None
+    together if any engine rejected it (the rejecting engine still serves its old version). A per-stage transport
+    (collective) takes the model chunks on every rank instead of one exported stream."""
+    from mgrpo.resharding.export import export_hf
+
+    error, per_stage = None, getattr(transport, "per_stage", False)
+    named_tensors = [] if per_stage else export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes)
     if transport is not None:
         try:
-            transport.send(named_tensors, version)
+            if per_stage:
+                transport.send_model(model_chunks, version)
+            else:
+                transport.send(named_tensors, version)
         except Exception as exc:  # noqa: BLE001
             error = f"rank {dist.get_rank()}: weight version {version} not applied: {type(exc).__name__}: {exc}"
     for _ in named_tensors:  # ranks without an engine (and a failed push) still take part in the export
         pass
-    fail_together(error, owners)
+    fail_together(error, list(owners.values()))

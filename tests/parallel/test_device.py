@@ -61,7 +61,7 @@ def _metrics():
 
 
 def _sample_bytes():
-    from mgrpo.rollout.manager import share_json
+    from mgrpo.parallel.device import share_json
 
     assert share_json({"a": [1, 2]}, [0]) == [{"a": [1, 2]}]
 

@@ -109,19 +109,29 @@ class RemoteEngine:
 
     # -- plain HTTP for control calls (stdlib; no event loop needed) ---------------------------------------------
     def get(self, replica: Replica, path: str, timeout: float | None = None) -> dict:
+        return self.call(replica, "GET", path, timeout=timeout)
+
+    def post(self, replica: Replica, path: str, body: dict, timeout: float | None = None) -> dict:
+        """A state-changing call: it carries this run and process (serving/ownership.py)."""
+        return self.call(replica, "POST", path, body, timeout, self.update_headers())
+
+    def call(self, replica: Replica, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+             headers: dict | None = None) -> dict:
         import json
         import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(replica.url + path, headers=self.headers)
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(replica.url + path, data=data, method=method, headers=dict(
+            headers or self.headers, **({"Content-Type": "application/json"} if data is not None else {})))
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.connect_timeout_s, context=self.ssl) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            raise RemoteEngineError(f"rollout server {replica.name}: GET {path} -> {exc.code} "
-                                    f"{exc.read()[:200].decode(errors='replace')}") from None
+            raise RemoteEngineError(f"rollout server {replica.name}: {method} {path} -> {exc.code} "
+                                    f"{exc.read()[:300].decode(errors='replace')}") from None
         except (OSError, ValueError) as exc:
-            raise RemoteEngineError(f"rollout server {replica.name}: GET {path} failed: {exc}") from None
+            raise RemoteEngineError(f"rollout server {replica.name}: {method} {path} failed: {exc}") from None
 
     def serving(self) -> list:
         return [r for r in self.replicas if r.up and r.version == self.version]

@@ -23,8 +23,9 @@ class Ownership:
         self.floor = None  # the last version the owning process committed
         self.log = log
 
-    def refusal(self, run: str, attempt: str, version: int, take_over: bool = False) -> str | None:
-        """Why this sender may not stage or commit `version` (None: it may; it owns the server from now on)."""
+    def refusal(self, run: str, attempt: str, version: int | None, take_over: bool = False) -> str | None:
+        """Why this sender may not stage or commit `version` (None: it may; it owns the server from now on).
+        `version` None: a request that sends no weights (opening collective groups)."""
         for name, value in (("run", run), ("attempt", attempt)):
             if not value or len(value) > MAX_ID_CHARS or not value.isascii() or not value.isprintable():
                 return f"send x-mgrpo-{name} (at most {MAX_ID_CHARS} printable ASCII characters) with every update"
@@ -49,7 +50,7 @@ class Ownership:
             self.retired.add(self.attempt)
             self.attempt, self.floor = attempt, None
             return None
-        if self.floor is not None and version <= self.floor:
+        if version is not None and self.floor is not None and version <= self.floor:
             return (f"version {version} is not newer than version {self.floor}, which trainer run {run} already "
                     f"committed here; versions of a run strictly increase")
         return None

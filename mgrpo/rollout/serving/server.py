@@ -133,7 +133,8 @@ def staging_caps(expected: dict, optional: list, max_staged_bytes: int | None, m
 
 
 async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeout_s: float = 600.0,
-                max_staged_bytes: int | None = None, max_staged_buckets: int | None = None) -> None:
+                max_staged_bytes: int | None = None, max_staged_buckets: int | None = None,
+                collective: dict | None = None) -> None:
     """Start the engine, build vLLM's app, add the guard and our routes, serve on one socket until stopped."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -157,6 +158,11 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
                                                                          max_staged_buckets)
             gate, update = Gate(), UpdateState()
             add_weight_routes(app, engine_client, gate, staging, update, expected, optional, update_timeout_s)
+            if collective:  # --transport collective: {host, backend, join_timeout_s}
+                from mgrpo.rollout.serving.collective_routes import add_collective_routes
+
+                add_collective_routes(app, engine_client, gate, update, expected, optional, update_timeout_s,
+                                      **collective)
             # outermost, around whatever vLLM built (its stack may already exist: add_middleware would refuse)
             app.middleware_stack = Guard(app.middleware_stack or app.build_middleware_stack(), token, gate, update)
             announce = asyncio.create_task(_announce_when_up(args.host, args.port, listen_address, on_ready,

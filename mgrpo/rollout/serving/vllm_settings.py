@@ -36,3 +36,14 @@ def cpu_scheduling(spec: dict) -> dict:
     with open(os.path.join(spec["model"], "config.json")) as f:
         longest = spec["max_model_len"] or json.load(f).get("max_position_embeddings", 4096)
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(longest), 8192)}
+
+
+def test_load_delay() -> None:
+    """Tests only (a hung load, a sender stuck mid-broadcast): when MGRPO_TEST_LOAD_DELAY_FILE names a file that
+    exists, sleep the seconds it holds. Unset in any real run."""
+    import time
+
+    path = os.environ.get("MGRPO_TEST_LOAD_DELAY_FILE")
+    if path and os.path.exists(path):
+        with open(path) as f:
+            time.sleep(float(f.read().strip() or 0))

@@ -18,6 +18,7 @@ import torch
 
 from mgrpo.resharding.bucket import Bucket, BucketError, ManifestCheck, read_bucket
 from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.serving.vllm_settings import test_load_delay
 from mgrpo.rollout.transports.buffers import open_buffer
 
 
@@ -45,6 +46,11 @@ def _quiet_idle_spin(seconds: float) -> None:
 if not torch.cuda.is_available():
     _quiet_idle_spin(float(os.environ.get("MGRPO_VLLM_IDLE_SPIN_S", "0.005")))
 
+# vLLM imports this module in each worker before it loads the model (and builds its weight-transfer engine)
+from mgrpo.rollout.serving.collective_receiver import register as _register_collective  # noqa: E402
+
+_register_collective()
+
 
 class WeightReceiver:
     def mgrpo_receive_weights(self, channel: str, token: str, expected: dict, optional: list) -> dict:
@@ -64,13 +70,18 @@ class WeightReceiver:
 
 
 class FileReceiver:
+    def mgrpo_collective_receipt(self) -> dict:
+        """What the collective backend received and loaded in the last update (`collective_receiver.py`)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "receipt", None) or {})
+
     def mgrpo_load_files(self, paths: list, expected: dict, optional: list) -> dict:
         """One update staged by the rollout server as bucket files (sha256 already checked there): every bucket
         is checked against this model and the whole set for completeness before anything is loaded; then
         vLLM's reload_weights reads the tensors straight out of the mapped files. Never raises into the core."""
         import mmap
 
-        _test_load_delay()
+        test_load_delay()
         check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in expected.items()}, optional, receiver="rollout server")
         files, maps, buckets = [], [], []
         try:
@@ -101,15 +112,6 @@ class FileReceiver:
             for f in files:
                 f.close()
         return {"ok": True, "receipt": receipt, "load_s": time.perf_counter() - t0}
-
-
-def _test_load_delay() -> None:
-    """Tests only (a hung load): when MGRPO_TEST_LOAD_DELAY_FILE names a file that exists, sleep the seconds it
-    holds. Unset in any real run."""
-    path = os.environ.get("MGRPO_TEST_LOAD_DELAY_FILE")
-    if path and os.path.exists(path):
-        with open(path) as f:
-            time.sleep(float(f.read().strip() or 0))
 
 
 def _receive(worker, sock, buffers: dict, expected: dict, optional: list) -> dict:

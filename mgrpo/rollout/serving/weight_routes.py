@@ -33,6 +33,72 @@ class UpdateState:
         self.poisoned = None  # why the engine may hold a mix of versions; then nothing is served
         self.committing = None  # the version being applied, or None
         self.owner = Ownership(log=lambda msg: print(f"mgrpo-server: {msg}", file=sys.stderr, flush=True))
+        self.on_new_owner = []  # what belongs to the previous owner and must go: staged buckets, open groups
+
+    def refusal(self, version: int | None) -> str | None:
+        if self.poisoned:
+            return f"the server is poisoned and loads nothing more: {self.poisoned}; restart it"
+        if version is not None and self.committing == version:
+            return f"version {version} is being committed; a bucket of it cannot change now"
+        return None
+
+    def claim(self, version: int | None, headers) -> str | None:
+        """Why this sender may not update to `version` (another trainer, an old version), else None; under the
+        lock. A new owner drops what the previous one left."""
+        before = (self.owner.run, self.owner.attempt)
+        why = self.owner.refusal(headers.get(RUN_HEADER, ""), headers.get(ATTEMPT_HEADER, ""), version,
+                                 headers.get(TAKE_OVER_HEADER, "") == "1")
+        if not why and (self.owner.run, self.owner.attempt) != before:
+            for drop in self.on_new_owner:
+                drop()
+        return why
+
+
+class UpdateFailed(Exception):
+    """A load that failed: `poisoned` when the engine may hold a mix of versions, else the old weights serve."""
+
+    def __init__(self, message: str, poisoned: bool = False):
+        super().__init__(message)
+        self.poisoned = poisoned
+
+
+async def apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load):
+    """Pause generation (requests in flight finish), `await load(seconds left)` -> receipt, reset the prefix cache,
+    stamp the version, resume; all within `timeout_s`. Past the deadline, after a half-done load, or when vLLM
+    keeps blocks and refuses to reset its prefix cache, the server is poisoned. Returns the receipt with the time
+    split, or an error response."""
+    from fastapi.responses import JSONResponse
+
+    t0 = time.perf_counter()
+    deadline = t0 + timeout_s
+    left = lambda: max(deadline - time.perf_counter(), 0.001)  # noqa: E731
+    try:
+        await asyncio.wait_for(gate.pause(), timeout=left())
+    except asyncio.TimeoutError:
+        update.poisoned = f"requests in flight did not finish within --update-timeout-s={timeout_s:g}"
+        await gate.resume()
+        return JSONResponse({"error": update.poisoned}, status_code=503)
+    try:
+        t1 = time.perf_counter()
+        try:
+            receipt = await load(left())
+        except asyncio.TimeoutError:
+            update.poisoned = (f"loading version {version} did not finish within --update-timeout-s={timeout_s:g}; "
+                               f"the engine may hold a mix of versions")
+            return JSONResponse({"error": update.poisoned}, status_code=503)
+        except UpdateFailed as exc:
+            if exc.poisoned:
+                update.poisoned = str(exc)
+            return JSONResponse({"error": str(exc)}, status_code=503 if exc.poisoned else 422)
+        t2 = time.perf_counter()
+        if not await engine_client.reset_prefix_cache():  # blocks still held: old KV could be reused
+            update.poisoned = f"vLLM refused to reset its prefix cache after loading version {version}"
+            return JSONResponse({"error": update.poisoned}, status_code=503)
+        gate.version = version
+    finally:
+        await gate.resume()
+    t3 = time.perf_counter()
+    return dict(receipt, version=version, pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2, total_s=t3 - t0)
 
 
 def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, expected: dict, optional: list,
@@ -48,23 +114,14 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
         return JSONResponse({"error": message}, status_code=status)
 
     def refusal(version: int):
-        if update.poisoned:
-            return error(409, f"the server is poisoned and loads nothing more: {update.poisoned}; restart it")
-        if update.committing == version:
-            return error(409, f"version {version} is being committed; a bucket of it cannot change now")
-        return None
+        why = update.refusal(version)
+        return error(409, why) if why else None
 
     def not_owner(version: int, request):
-        """409 for another trainer or an old version (under the lock: a new owner drops what another staged)."""
-        h = request.headers
-        before = (update.owner.run, update.owner.attempt)
-        why = update.owner.refusal(h.get(RUN_HEADER, ""), h.get(ATTEMPT_HEADER, ""), version,
-                                   h.get(TAKE_OVER_HEADER, "") == "1")
-        if why:
-            return error(409, why)
-        if (update.owner.run, update.owner.attempt) != before:
-            staging.reset(None)
-        return None
+        why = update.claim(version, request.headers)
+        return error(409, why) if why else None
+
+    update.on_new_owner.append(lambda: staging.reset(None))
 
     @app.put("/mgrpo/weights/{version}/{index}")
     async def put_bucket(version: int, index: int, request: Request):
@@ -137,39 +194,15 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
             return result
 
     async def _apply(version: int, paths: list):
-        t0 = time.perf_counter()
-        deadline = t0 + update_timeout_s
-        try:
-            await asyncio.wait_for(gate.pause(), timeout=max(deadline - time.perf_counter(), 0.001))
-        except asyncio.TimeoutError:
-            update.poisoned = f"requests in flight did not finish within --update-timeout-s={update_timeout_s:g}"
-            await gate.resume()
-            return error(503, update.poisoned)
-        try:
-            t1 = time.perf_counter()
-            try:
-                results = await asyncio.wait_for(engine_client.collective_rpc(
-                    "mgrpo_load_files", kwargs=dict(paths=paths, expected=expected, optional=optional)),
-                    timeout=max(deadline - time.perf_counter(), 0.001))
-            except asyncio.TimeoutError:
-                update.poisoned = (f"loading version {version} did not finish within --update-timeout-s="
-                                   f"{update_timeout_s:g}; the engine may hold a mix of versions")
-                return error(503, update.poisoned)
-            t2 = time.perf_counter()
+        async def load(timeout: float):
+            results = await asyncio.wait_for(engine_client.collective_rpc(
+                "mgrpo_load_files", kwargs=dict(paths=paths, expected=expected, optional=optional)), timeout=timeout)
             bad = [r for r in results if not r.get("ok")]
             if bad:
-                if any(r.get("poisoned") for r in bad):
-                    update.poisoned = bad[0]["error"]
-                return error(422, bad[0]["error"])
-            if not await engine_client.reset_prefix_cache():  # blocks still held: old KV could be reused
-                update.poisoned = f"vLLM refused to reset its prefix cache after loading version {version}"
-                return error(503, update.poisoned)
-            gate.version = version
-        finally:
-            await gate.resume()
-        t3 = time.perf_counter()
-        return dict(results[0]["receipt"], version=version, pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2,
-                    total_s=t3 - t0)
+                raise UpdateFailed(bad[0]["error"], poisoned=any(r.get("poisoned") for r in bad))
+            return results[0]["receipt"]
+
+        return await apply_version(gate, update, engine_client, version, update_timeout_s, load)
 
     @app.get("/mgrpo/version")
     async def version_info():

