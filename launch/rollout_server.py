@@ -88,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--collective-host", default="127.0.0.1",
                     help="address the collective rendezvous and data connections bind (no authentication on that "
                          "plane: keep it on a private network)")
+    ap.add_argument("--collective-stream", choices=("auto", "on", "off"), default="auto",
+                    help="load each bucket as it arrives (bounded memory; a failure mid-load poisons the server) "
+                         "instead of staging the whole update first; auto: on with CUDA")
     ap.add_argument("--collective-join-timeout-s", type=float, default=60.0,
                     help="how long the workers wait for the trainer's senders to join a new group")
     args, extra = ap.parse_known_args(argv)
@@ -136,7 +139,8 @@ def main(argv=None) -> int:
         from mgrpo.rollout.serving.collective_receiver import BACKEND
 
         collective = dict(host=args.collective_host, backend="nccl" if torch.cuda.is_available() else "gloo",
-                          join_timeout_s=args.collective_join_timeout_s)
+                          join_timeout_s=args.collective_join_timeout_s,
+                          stream={"on": True, "off": False}.get(args.collective_stream, torch.cuda.is_available()))
         tls += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     vargs = vllm_args(os.path.abspath(args.model), args.host, args.port, dtype, args.seed, args.max_model_len,
                       args.max_num_seqs, tls + extra)

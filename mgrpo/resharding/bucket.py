@@ -157,9 +157,11 @@ class Bucket:
         return got
 
 
-def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum: bool = True) -> Bucket:
-    """One bucket from (name, tensor) pairs (copied into a fresh flat buffer at ALIGN-byte offsets);
-    `checksum=False` skips the sha256 for transfers that never leave the job's own process group."""
+def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum: bool = True,
+                out: torch.Tensor | None = None) -> Bucket:
+    """One bucket from (name, tensor) pairs (copied into a fresh flat buffer at ALIGN-byte offsets, or into the
+    front of `out` when it is large enough: a reused buffer costs no page faults); `checksum=False` skips the sha256
+    for transfers that never leave the job's own process group."""
     names, dtypes, shapes, offsets, nbytes = [], [], [], [], []
     total = 0
     for name, t in items:
@@ -170,7 +172,7 @@ def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum:
         offsets.append(align_up(total))
         nbytes.append(n)
         total = offsets[-1] + n
-    flat = torch.empty(total, dtype=torch.uint8)
+    flat = out[:total] if out is not None and out.numel() >= total else torch.empty(total, dtype=torch.uint8)
     for (_, t), off, n, end in zip(items, offsets, nbytes, offsets[1:] + [total]):
         flat[off: off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         flat[off + n: end].zero_()  # padding is zeroed, so equal tensors give equal digests

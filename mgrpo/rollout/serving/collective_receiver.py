@@ -8,11 +8,15 @@ vLLM's four phases, as the rollout server drives them (`weight_routes_collective
                          arrives (nothing unknown, nothing twice, shapes, dtypes); nothing is loaded yet
   finish_weight_update   check the set is complete, then load it with vLLM's in-place `reload_weights`
 A failure before the load leaves the old weights serving ("rejected"); a failure during it is reported as
-"poisoned" (the engine may hold a mix). The built-in engines want CUDA; this one runs over gloo on CPU and over
+"poisoned" (the engine may hold a mix). Staging the whole update costs a model's worth of memory per worker; with
+`stream` (the server's --collective-stream, on by default with CUDA: a 72B model does not fit twice on a GPU) the
+buckets go into `reload_weights` as they arrive, each still checked before it loads, and the completeness check
+comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on CPU and over
 NCCL on GPU with the same code (`collective_group.py`).
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +52,7 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
     optional: list = field(default_factory=list)
     probe_bytes: int = 0  # > 0: only time the wire (benchmarks): that many bytes into one preallocated buffer
     probe_bucket: int = 0
+    stream: bool = False  # load each bucket as it arrives (bounded memory) instead of staging the whole update
 
 
 class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpdateInfo]):
@@ -58,6 +63,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.groups, self.buckets, self.check, self.receipt, self.probing = [], [], None, {}, False
+        self.streamed = False
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         self.shutdown()
@@ -67,7 +73,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                                   op_timeout_s=init_info.op_timeout_s) for s in range(init_info.senders)]
 
     def start_weight_update(self) -> None:
-        self.buckets, self.check, self.receipt, self.probing = [], None, {}, False
+        self.buckets, self.check, self.receipt, self.probing, self.streamed = [], None, {}, False, False
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # no device sync needed: nothing loaded yet
@@ -81,6 +87,8 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         t0 = time.perf_counter()
         self.check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
                                    update_info.optional, receiver="rollout server (collective)")
+        if update_info.stream:
+            return self._receive_and_load(t0)
         lock = threading.Lock()
 
         def take(group):  # every sender (pipeline stage) at the same time, one thread each
@@ -103,6 +111,47 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                                f"are torn down, the trainer opens new ones") from None
         self.receipt = {"receive_s": time.perf_counter() - t0}
 
+    def _receive_and_load(self, t0: float) -> None:
+        """Streaming: one thread per sender receives and checks buckets into a short queue (two per sender); this
+        thread loads them as they come. Anything that fails once loading has begun poisons the server."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        ready, lock, done = queue.Queue(maxsize=2 * len(self.groups)), threading.Lock(), object()
+
+        def take(group):
+            try:
+                for bucket in receive_buckets(group):
+                    with lock:
+                        self.check.add(bucket)
+                    ready.put(bucket)
+                ready.put(done)
+            except BaseException as exc:  # noqa: BLE001  (handed to the loading thread)
+                ready.put(exc)
+
+        def arriving():
+            finished = 0
+            while finished < len(self.groups):
+                item = ready.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield from item.tensors()
+
+        threads = [threading.Thread(target=take, args=(g,), daemon=True) for g in self.groups]
+        for t in threads:
+            t.start()
+        try:
+            reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,
+                           weights_iterator=arriving())
+        except Exception as exc:  # noqa: BLE001
+            self.shutdown()
+            raise RuntimeError(f"{POISONED}, the engine holds a mix of versions (streamed update): "
+                               f"{type(exc).__name__}: {exc}") from None
+        self.streamed = True
+        self.receipt = {"receive_s": time.perf_counter() - t0, "load_s": time.perf_counter() - t0, "streamed": True}
+
     def _probe(self, nbytes: int, bucket: int) -> None:
         """The limit a benchmark compares against: sender 0's plain broadcasts into one preallocated buffer, no
         manifest, no check, no load (`CollectiveTransport.probe` is the other side)."""
@@ -123,7 +172,9 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             self.receipt.update(self.check.finish())
         except BucketError as exc:
             self.buckets = []
-            raise RuntimeError(f"{REJECTED}: {exc}") from None
+            raise RuntimeError(f"{POISONED if self.streamed else REJECTED}: {exc}") from None
+        if self.streamed:
+            return
         t0 = time.perf_counter()
         try:
             reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,

@@ -38,7 +38,8 @@ class CollectiveState:
 
 
 def add_collective_routes(app, engine_client, gate, update: UpdateState, expected: dict, optional: list,
-                          update_timeout_s: float, host: str, backend: str, join_timeout_s: float) -> None:
+                          update_timeout_s: float, host: str, backend: str, join_timeout_s: float,
+                          stream: bool = False) -> None:
     import torch.distributed as dist
     from fastapi import Request
     from fastapi.responses import JSONResponse
@@ -129,7 +130,7 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
         try:
             await engine_client.collective_rpc("start_weight_update")
             await asyncio.wait_for(engine_client.collective_rpc("update_weights", kwargs={"update_info": {
-                "version": version, "expected": expected, "optional": optional}}),
+                "version": version, "expected": expected, "optional": optional, "stream": stream}}),
                 timeout=max(timeout - (time.perf_counter() - t0), 0.001))
             await asyncio.wait_for(engine_client.collective_rpc("finish_weight_update"),
                                    timeout=max(timeout - (time.perf_counter() - t0), 0.001))

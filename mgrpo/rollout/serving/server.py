@@ -141,6 +141,8 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
+    from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened here and
+    #                                               in the engine core this process starts, see vllm_worker)
     from mgrpo.rollout.serving.staging import Staging
     from mgrpo.rollout.serving.vllm_settings import hf_manifest
     from mgrpo.rollout.serving.weight_routes import UpdateState, add_weight_routes

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from mgrpo.resharding.bucket import pack_bucket
+from mgrpo.resharding.bucket import align_up, pack_bucket
 from mgrpo.resharding.export import stage_buckets, stage_senders
 from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.transports.collective_group import join_group, send_bucket, send_end
@@ -40,6 +40,7 @@ class CollectiveTransport:
         self.is_sender = self.me in self.senders
         self.groups: dict = {}  # server name -> Group (on senders)
         self.opened: set = set()  # servers with open groups (on the owner)
+        self.buffers = [None, None]  # the double buffer of flat buckets (on senders)
 
     # -- control (the owner) -------------------------------------------------------------------------------------
     def _open_new(self, targets: list) -> dict:
@@ -54,7 +55,8 @@ class CollectiveTransport:
                 plan[r.name] = {k: info[k] for k in ("host", "port", "nonce", "workers", "backend",
                                                      "timeout_s", "op_timeout_s")}
             except Exception as exc:  # noqa: BLE001
-                self.engine.mark_down(r, f"cannot open collective groups: {exc}")
+                hint = " (start it with --transport collective)" if " -> 404 " in str(exc) else ""
+                self.engine.mark_down(r, f"cannot open collective groups{hint}: {exc}")
         return plan
 
     def send_model(self, model_chunks: list, version: int) -> dict | None:
@@ -142,7 +144,8 @@ class CollectiveTransport:
                     failed.setdefault(group_name, f"broadcast broke: {type(exc).__name__}: {exc}")
 
         for items in stage_buckets(model_chunks, self.bucket_bytes):
-            bucket = pack_bucket(items, version, stats["buckets"], checksum=False)
+            slot = self._buffer(stats["buckets"] % 2, sum(align_up(t.numel() * t.element_size()) for _, t in items))
+            bucket = pack_bucket(items, version, stats["buckets"], checksum=False, out=slot)
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             live = [(n, g) for n, g in self.groups.items() if n not in failed]
@@ -164,6 +167,16 @@ class CollectiveTransport:
             if group is not None:
                 group.close()
         return stats
+
+    def _buffer(self, slot: int, nbytes: int):
+        """Two flat send buffers, reused from update to update (bucket k packs into k % 2 while k - 1 is on the
+        wire; k - 2, its previous user, has finished by then)."""
+        import torch
+
+        have = self.buffers[slot]
+        if have is None or have.numel() < nbytes:
+            self.buffers[slot] = have = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8)
+        return have
 
     def probe(self, nbytes: int, bucket_bytes: int) -> dict:
         """The limit for benchmarks (single sender, after a send_model opened the groups): `nbytes` of plain
@@ -190,3 +203,4 @@ class CollectiveTransport:
         for group in self.groups.values():
             group.close()
         self.groups.clear()
+        self.buffers = [None, None]
