@@ -190,6 +190,10 @@ def main() -> None:
     print(f"collective vs HTTP (xxh3, the default): {http / coll:.2f}x; limit / collective: {limit / coll:.2f} "
           f"(the wire alone: {best['limit']['bytes'] / 2**20 / limit:.0f} MiB/s); TP2xPP2 (two senders): "
           f"{best['collective TP2xPP2']['total_s']:.2f} s")
+    split = next(iter(best["collective"]["server"].values()))
+    print(f"collective, server side: receive {split['receive_s']:.2f} s (while the sender exports and broadcasts), "
+          f"check + reload {split['reload_s']:.2f} s; the HTTP path's load (check + reload from /dev/shm files): "
+          f"{best['64 MB, xxh3']['load_s']:.2f} s")
     print(f"trainer-side peak, collective: {peak:.0f} MB (bound: two buckets 128 + largest tensor "
           f"{largest / 2**20:.0f} + 64 = {bound:.0f} MB); largest TP2xPP2 sender: "
           f"{best['collective TP2xPP2']['trainer_peak_mb']:.0f} MB")

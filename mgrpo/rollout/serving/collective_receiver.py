@@ -150,7 +150,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             raise RuntimeError(f"{POISONED}, the engine holds a mix of versions (streamed update): "
                                f"{type(exc).__name__}: {exc}") from None
         self.streamed = True
-        self.receipt = {"receive_s": time.perf_counter() - t0, "load_s": time.perf_counter() - t0, "streamed": True}
+        self.receipt = {"receive_s": time.perf_counter() - t0, "reload_s": time.perf_counter() - t0, "streamed": True}
 
     def _probe(self, nbytes: int, bucket: int) -> None:
         """The limit a benchmark compares against: sender 0's plain broadcasts into one preallocated buffer, no
@@ -184,7 +184,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                 from None
         finally:
             self.buckets = []
-        self.receipt["load_s"] = time.perf_counter() - t0
+        self.receipt["reload_s"] = time.perf_counter() - t0
 
     def shutdown(self) -> None:
         for group in self.groups:

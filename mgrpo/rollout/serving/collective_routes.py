@@ -127,16 +127,22 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(f"the trainer's senders did not join the groups within {join_timeout_s:g} s: "
                                f"{type(exc).__name__}: {exc}") from None
+        marks = [time.perf_counter()]
         try:
             await engine_client.collective_rpc("start_weight_update")
+            marks.append(time.perf_counter())
             await asyncio.wait_for(engine_client.collective_rpc("update_weights", kwargs={"update_info": {
                 "version": version, "expected": expected, "optional": optional, "stream": stream}}),
                 timeout=max(timeout - (time.perf_counter() - t0), 0.001))
+            marks.append(time.perf_counter())
             await asyncio.wait_for(engine_client.collective_rpc("finish_weight_update"),
                                    timeout=max(timeout - (time.perf_counter() - t0), 0.001))
+            marks.append(time.perf_counter())
         except asyncio.TimeoutError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(str(exc), poisoned=POISONED in str(exc)) from None
         receipts = await engine_client.collective_rpc("mgrpo_collective_receipt")
-        return dict(receipts[0], transport="collective", backend=backend)
+        phases = {f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"),
+                                                               [t0] + marks, marks)}
+        return dict(receipts[0], transport="collective", backend=backend, **phases)

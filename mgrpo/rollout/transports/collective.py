@@ -107,6 +107,7 @@ class CollectiveTransport:
                     export_s=max(rep.get("export_s", 0.0) for rep in reports),
                     transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
                     receive_s=max(x.get("receive_s", 0.0) for x in receipts.values()),
+                    server={name: {k: v for k, v in x.items() if k.endswith("_s")} for name, x in receipts.items()},
                     load_s=max(x.get("load_s", 0.0) for x in receipts.values()),
                     reset_s=max(x.get("reset_s", 0.0) for x in receipts.values()),
                     total_s=time.perf_counter() - t0, tensors=first.get("tensors"))
