@@ -148,6 +148,19 @@ def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, s
     assert all(o.weight_versions[0] == good for o in after)
 
 
+def test_collective_sync_to_a_server_without_it_names_the_flag(single_rank, server, dirs):
+    """rollout.remote.transport: collective against a server started without --transport collective: the open
+    answers 404 and the update fails with one line that names the flag."""
+    from mgrpo.rollout.transports.collective import CollectiveTransport
+
+    engine = connect(server, dirs)
+    transport = CollectiveTransport(engine, 1 << 20, timeout_s=30)
+    with pytest.raises(WeightSyncError, match="start it with --transport collective"):
+        transport.send_model(trainer_actor(dirs["new"]).models(), next(_versions))
+    transport.close()
+    engine.rejoin_candidates()
+
+
 def test_a_hung_server_times_out_and_recovers_after_sigcont(single_rank, server, dirs):
     engine = connect(server, dirs, request_timeout_s=4, retries=1, backoff_s=0.1)
     server.signal(signal.SIGSTOP)
