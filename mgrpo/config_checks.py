@@ -104,7 +104,8 @@ def check_remote(r) -> list:
         e.append(f"rollout.remote.transport={m.transport!r}; use http or collective (start the servers with "
                  f"--transport collective)")
     if m.run_id and not (len(m.run_id) <= 64 and m.run_id.isascii() and m.run_id.isprintable()):
-        e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a random one)")
+        e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a "
+                 f"random one)")
     e += must("rollout.remote.retries", m.retries, m.retries >= 0, ">= 0", "0 = never retry a request")
     e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
               ">= 1")

@@ -11,8 +11,8 @@ A failure before the load leaves the old weights serving ("rejected"); a failure
 "poisoned" (the engine may hold a mix). Staging the whole update costs a model's worth of memory per worker; with
 `stream` (the server's --collective-stream, on by default with CUDA: a 72B model does not fit twice on a GPU) the
 buckets go into `reload_weights` as they arrive, each still checked before it loads, and the completeness check
-comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on CPU and over
-NCCL on GPU with the same code (`collective_group.py`).
+comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on
+CPU and over NCCL on GPU with the same code (`collective_group.py`).
 """
 from __future__ import annotations
 
