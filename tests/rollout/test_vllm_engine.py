@@ -236,7 +236,9 @@ def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_ran
 
 
 _DRIVER = textwrap.dedent("""
-    import json, os, sys, time
+    import faulthandler, json, os, signal, sys, time
+    faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if this process hangs
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if a background shell ignored it
     from safetensors.torch import load_file
     from mgrpo.rollout.engines.vllm import VLLMEngine
     if __name__ == "__main__":
@@ -255,8 +257,9 @@ def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_pat
     the engine's socket directory and the shared weight buffers: nothing is left behind."""
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
-    drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True)
-               for _ in range(2)]
+    errs = [open(tmp_path / f"driver{i}.err", "w+") for i in range(2)]
+    drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True,
+                                stderr=errs[i]) for i in range(2)]
     infos = [json.loads(d.stdout.readline()) for d in drivers]
     pids = [info["pid"] for info in infos]
     assert all(os.path.exists(f) for info in infos for f in info["files"])
@@ -266,8 +269,15 @@ def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_pat
     deadline = time.time() + 15
     while time.time() < deadline and any(group_alive(pid) for pid in pids):
         time.sleep(0.3)
-    for d in drivers:
-        d.wait(timeout=60)  # a polite engine shutdown may take 25 s under load (seen once in CI)
+    for i, d in enumerate(drivers):
+        try:
+            d.wait(timeout=60)  # a polite engine shutdown may take 25 s
+        except subprocess.TimeoutExpired:
+            d.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            d.kill()
+            errs[i].seek(0)
+            raise AssertionError(f"driver {i} did not exit; its stacks:\n{errs[i].read()[-6000:]}") from None
     left = {pid: group_alive(pid) for pid in pids}
     assert not any(left.values()), f"orphaned engine processes: {left}"
     leftovers = [f for info in infos for f in info["files"] if os.path.exists(f)]
