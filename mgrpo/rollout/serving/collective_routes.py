@@ -114,11 +114,20 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
             if why or state.joined is None:
                 return error(409, why or "no collective group is open: POST /mgrpo/collective/open first")
             await asyncio.wait_for(asyncio.shield(state.joined), timeout=join_timeout_s)
-            info = {"version": -1, "probe_bytes": int(body["bytes"]), "probe_bucket": int(body["bucket_bytes"])}
-            await engine_client.collective_rpc("start_weight_update")
-            await engine_client.collective_rpc("update_weights", kwargs={"update_info": info})
-            await engine_client.collective_rpc("finish_weight_update")
+            await phases({"version": -1, "probe_bytes": int(body["bytes"]),
+                          "probe_bucket": int(body["bucket_bytes"])}, update_timeout_s)
             return (await engine_client.collective_rpc("mgrpo_collective_receipt"))[0]
+
+    async def phases(update_info: dict, timeout: float) -> list:
+        """vLLM's start / update / finish on every worker within `timeout`; the time each phase ended."""
+        t0, marks = time.perf_counter(), []
+        await engine_client.collective_rpc("start_weight_update")
+        marks.append(time.perf_counter())
+        for method, kwargs in (("update_weights", {"update_info": update_info}), ("finish_weight_update", None)):
+            await asyncio.wait_for(engine_client.collective_rpc(method, kwargs=kwargs),
+                                   timeout=max(timeout - (time.perf_counter() - t0), 0.001))
+            marks.append(time.perf_counter())
+        return marks
 
     async def receive(version: int, timeout: float) -> dict:
         t0 = time.perf_counter()
@@ -127,22 +136,15 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(f"the trainer's senders did not join the groups within {join_timeout_s:g} s: "
                                f"{type(exc).__name__}: {exc}") from None
-        marks = [time.perf_counter()]
+        start = time.perf_counter()
         try:
-            await engine_client.collective_rpc("start_weight_update")
-            marks.append(time.perf_counter())
-            await asyncio.wait_for(engine_client.collective_rpc("update_weights", kwargs={"update_info": {
-                "version": version, "expected": expected, "optional": optional, "stream": stream}}),
-                timeout=max(timeout - (time.perf_counter() - t0), 0.001))
-            marks.append(time.perf_counter())
-            await asyncio.wait_for(engine_client.collective_rpc("finish_weight_update"),
-                                   timeout=max(timeout - (time.perf_counter() - t0), 0.001))
-            marks.append(time.perf_counter())
+            marks = [start] + await phases({"version": version, "expected": expected, "optional": optional,
+                                            "stream": stream}, max(timeout - (start - t0), 0.001))
         except asyncio.TimeoutError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(str(exc), poisoned=POISONED in str(exc)) from None
         receipts = await engine_client.collective_rpc("mgrpo_collective_receipt")
-        phases = {f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"),
-                                                               [t0] + marks, marks)}
-        return dict(receipts[0], transport="collective", backend=backend, **phases)
+        split = {f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"),
+                                                              [t0] + marks, marks)}
+        return dict(receipts[0], transport="collective", backend=backend, **split)

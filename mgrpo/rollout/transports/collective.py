@@ -68,7 +68,6 @@ class CollectiveTransport:
         targets = self.engine.rejoin_candidates() if self.engine else []
         plan = share_json(self._open_new(targets) if self.engine else {}, [0])[0]
         failed = self._join(plan) if self.is_sender else {}
-        requests = None
         if self.engine:
             live = [r for r in targets if r.name in plan and r.name not in failed]
             pool = ThreadPoolExecutor(max_workers=max(len(live), 1))
@@ -149,25 +148,30 @@ class CollectiveTransport:
             bucket = pack_bucket(items, version, stats["buckets"], checksum=False, out=slot)
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            live = [(n, g) for n, g in self.groups.items() if n not in failed]
-            started = [(n, works) for (n, _), (_, works) in zip(live, send_bucket([g for _, g in live], bucket))]
+            started = self._start(failed, bucket)
             settle(inflight)  # the previous bucket; this one is on the wire while the next is gathered
-            inflight = [(n, w) for n, w in started]
+            inflight = started
             stats["transfer_s"] += time.perf_counter() - t
             stats["bytes"] += bucket.flat.numel()
             stats["buckets"] += 1
             t = time.perf_counter()
         if self.is_sender:
             t = time.perf_counter()
-            live = [(n, g) for n, g in self.groups.items() if n not in failed]
             settle(inflight)
-            settle([(n, works) for (n, _), (_, works) in zip(live, send_end([g for _, g in live]))])
+            settle(self._start(failed, None))
             stats["transfer_s"] += time.perf_counter() - t
         for name in failed:
             group = self.groups.pop(name, None)
             if group is not None:
                 group.close()
         return stats
+
+    def _start(self, failed: dict, bucket) -> list:
+        """[(server, works)]: one bucket (None: the end of this stage's stream) set going into every live group."""
+        names = [n for n in self.groups if n not in failed]
+        groups = [self.groups[n] for n in names]
+        started = send_bucket(groups, bucket) if bucket is not None else send_end(groups)
+        return [(n, works) for n, (_, works) in zip(names, started)]
 
     def _buffer(self, slot: int, nbytes: int):
         """Two flat send buffers, reused from update to update (bucket k packs into k % 2 while k - 1 is on the

@@ -32,14 +32,12 @@ class Group:
         return self.pg.broadcast(tensor, 0)
 
     def close(self) -> None:
-        for method in ("abort", "shutdown"):  # NCCL: free the communicator; gloo: drop the connections
-            fn = getattr(self.pg, method, None)
-            if fn is not None and self.backend == "nccl":
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001  (a broken group may refuse; it is gone either way)
-                    pass
-                break
+        """Drop the connections; an NCCL communicator is aborted first (a broken one may refuse: gone anyway)."""
+        if self.backend == "nccl" and self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception:  # noqa: BLE001
+                pass
         self.pg = self.store = None
 
 
