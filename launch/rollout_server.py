@@ -21,6 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mgrpo.netutil import is_loopback  # noqa: E402  (no torch: refusals stay fast)
 
+if __name__ == "__mp_main__":  # vLLM's engine core (spawned: it imports this file, not the server): on CPU, the
+    # idle busy-polling of vLLM's shared-memory queues is shortened there too (vllm_worker._quiet_idle_spin)
+    from mgrpo.rollout.serving import vllm_worker  # noqa: E402,F401
+
 
 def fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
