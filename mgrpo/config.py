@@ -108,7 +108,7 @@ class RemoteConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf (in-process transformers) | vllm (colocated child process) | remote (rollout servers)
+    engine: str = "hf"  # hf (in-process) | vllm (colocated child) | remote (vLLM servers) | sglang (SGLang servers)
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
     max_inflight: int = 256  # single turn: requests per engine call; several in flight only for async engines
@@ -405,7 +405,7 @@ def validate(cfg: Config) -> list[str]:
                  f"use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
-    if r.engine == "remote":
+    if r.engine in ("remote", "sglang"):
         e += check_remote(r)
     e += check_scheduler(r) + check_rewards(cfg.reward)
     if r.engine_placement not in ("rank0", "per_dp"):

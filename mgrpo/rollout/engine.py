@@ -54,6 +54,7 @@ def _builtins():
     import mgrpo.rollout.engines.hf  # noqa: F401  (registers "hf")
     import mgrpo.rollout.engines.vllm  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
     import mgrpo.rollout.engines.remote  # noqa: F401  (registers "remote")
+    import mgrpo.rollout.engines.sglang  # noqa: F401  (registers "sglang"; SGLang itself runs on the servers)
 
 
 def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:

@@ -195,13 +195,18 @@ def start_engine(cfg, tokenizer, owners: dict):
 
 def needs_initial_weights(cfg) -> bool:
     """Remote servers were started on their own and may hold any weights: push the trainer's before step 0."""
-    return cfg.rollout.engine == "remote"
+    return cfg.rollout.engine in ("remote", "sglang")
 
 
 def make_transport(cfg, engine):
     """The weight transport: the engine's own, on the ranks that own an engine; for remote servers with
     `rollout.remote.transport: collective`, one on every rank (each pipeline stage sends its own weights)."""
-    bucket_bytes = cfg.rollout.update_bucket_mb << 20
+    bucket_bytes, remote = cfg.rollout.update_bucket_mb << 20, cfg.rollout.remote
+    if cfg.rollout.engine == "sglang":
+        from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
+
+        return SGLangCollectiveTransport(engine, bucket_bytes, bind=remote.collective_bind,
+                                         timeout_s=remote.update_timeout_s, ca_file=remote.ca_file)
     if cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective":
         from mgrpo.rollout.transports.collective import CollectiveTransport
 

@@ -117,21 +117,8 @@ class RemoteEngine:
 
     def call(self, replica: Replica, method: str, path: str, body: dict | None = None, timeout: float | None = None,
              headers: dict | None = None) -> dict:
-        import json
-        import urllib.error
-        import urllib.request
-
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(replica.url + path, data=data, method=method, headers=dict(
-            headers or self.headers, **({"Content-Type": "application/json"} if data is not None else {})))
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.connect_timeout_s, context=self.ssl) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise RemoteEngineError(f"rollout server {replica.name}: {method} {path} -> {exc.code} "
-                                    f"{exc.read()[:300].decode(errors='replace')}") from None
-        except (OSError, ValueError) as exc:
-            raise RemoteEngineError(f"rollout server {replica.name}: {method} {path} failed: {exc}") from None
+        return http_json(replica.url, method, path, body, headers or self.headers, timeout or self.connect_timeout_s,
+                         self.ssl, replica.name)
 
     def serving(self) -> list:
         return [r for r in self.replicas if r.up and r.version == self.version]
@@ -180,27 +167,23 @@ class RemoteEngine:
     async def _one(self, session, cond, req, sampling: SamplingParams) -> GenerationResponse:
         import aiohttp
 
-        body = {"prompt": list(req.prompt_ids), "max_tokens": sampling.max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
-                "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
-                "skip_special_tokens": False, "n": 1,
-                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else []}
+        body = self.request_body(req, sampling)
         tried, last = set(), ""
         for attempt in range(self.retries + 1):
             replica = await self._pick(cond, tried)
             tried.add(replica.name)
             try:
-                async with session.post(replica.url + "/v1/completions", json=body) as resp:
+                async with session.post(replica.url + self.generate_path, json=body) as resp:
                     if resp.status >= 500:
                         raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
                                                           message=(await resp.text())[:200])
                     if resp.status != 200:  # 4xx: our request is wrong; retrying elsewhere would not help
-                        raise RemoteEngineError(f"rollout server {replica.name}: /v1/completions -> {resp.status} "
-                                                f"{(await resp.text())[:300]}")
+                        raise RemoteEngineError(f"rollout server {replica.name}: {self.generate_path} -> "
+                                                f"{resp.status} {(await resp.text())[:300]}")
                     data = await resp.json()
-                    version = int(resp.headers.get(VERSION_HEADER, -1))
+                    headers = resp.headers
                 replica.served, replica.consecutive = replica.served + 1, 0
-                return _response(data, version, replica.name)
+                return self.parse_response(data, headers, replica.name)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 what = f"timed out after {self.request_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError) \
                     else f"{type(exc).__name__}: {exc}"
@@ -217,6 +200,19 @@ class RemoteEngine:
         raise self.no_replica_left() if not self.serving() else RemoteEngineError(
             f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts); last: "
             f"{last}")
+
+    # -- the dialect: vLLM's /v1/completions behind mgrpo's server (engines/sglang.py has SGLang's /generate) ------
+    generate_path = "/v1/completions"
+
+    def request_body(self, req, sampling: SamplingParams) -> dict:
+        return {"prompt": list(req.prompt_ids), "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
+                "skip_special_tokens": False, "n": 1,
+                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else []}
+
+    def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
+        return _response(data, int(headers.get(VERSION_HEADER, -1)), server)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
@@ -264,6 +260,28 @@ class RemoteEngine:
         pass
 
 
+def http_json(url: str, method: str, path: str, body: dict | None, headers: dict, timeout: float, context=None,
+              name: str = "") -> dict:
+    """One JSON call to a rollout server (stdlib: no event loop); any failure is a RemoteEngineError naming it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method, headers=dict(
+        headers, **({"Content-Type": "application/json"} if data is not None else {})))
+    name = name or url.split("://", 1)[-1]
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+            raw = resp.read()
+            return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else {"text": raw.decode(errors="replace")}
+    except urllib.error.HTTPError as exc:
+        raise RemoteEngineError(f"rollout server {name}: {method} {path} -> {exc.code} "
+                                f"{exc.read()[:300].decode(errors='replace')}") from None
+    except (OSError, ValueError) as exc:
+        raise RemoteEngineError(f"rollout server {name}: {method} {path} failed: {exc}") from None
+
+
 def tls_context(ca_file: str = ""):
     """The TLS context every https call to the servers uses: certificates checked, against `ca_file` if given."""
     import ssl
@@ -304,19 +322,23 @@ def run_identity(cfg) -> str:
     return r.run_id
 
 
-@register_engine("remote")
-def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
+def engine_from_config(cls, cfg, tokenizer):
+    """A RemoteEngine (or a dialect of it) from rollout.servers and rollout.remote."""
     r = cfg.rollout.remote
     servers = cfg.rollout.servers
     if isinstance(servers, str):
         servers = [s for s in servers.split(",") if s]
     started = time.time()
-    engine = RemoteEngine(servers, server_token(r.token_file), tokenizer.eos_token_id,
-                          connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
-                          max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
-                          update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum,
-                          max_consecutive_failures=r.max_consecutive_failures, run_id=run_identity(cfg),
-                          take_over=r.take_over)
-    engine.log(f"rollout servers: {', '.join(x.name for x in engine.replicas)} (weight version {engine.version}, "
-               f"reached in {time.time() - started:.1f} s; trainer run {engine.run_id})")
+    engine = cls(servers, server_token(r.token_file), tokenizer.eos_token_id,
+                 connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
+                 max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
+                 update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum,
+                 max_consecutive_failures=r.max_consecutive_failures, run_id=run_identity(cfg), take_over=r.take_over)
+    engine.log(f"rollout servers ({cls.name}): {', '.join(x.name for x in engine.replicas)} (weight version "
+               f"{engine.version}, reached in {time.time() - started:.1f} s; trainer run {engine.run_id})")
     return engine
+
+
+@register_engine("remote")
+def _make_remote(cfg, model_dir: str, tokenizer) -> RemoteEngine:
+    return engine_from_config(RemoteEngine, cfg, tokenizer)
