@@ -97,6 +97,12 @@ def main(argv=None) -> int:
                          "instead of staging the whole update first; auto: on with CUDA")
     ap.add_argument("--collective-join-timeout-s", type=float, default=60.0,
                     help="how long the workers wait for the trainer's senders to join a new group")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                    help="the engine behind the guard: vLLM in this process, or SGLang as a loopback child (weights "
+                         "by collective broadcast only; the vLLM-only flags above do not apply)")
+    ap.add_argument("--sglang-url", default=None,
+                    help="with --engine sglang: guard an SGLang server already running on loopback at this URL "
+                         "(its --admin-api-key in MGRPO_SGLANG_ADMIN_KEY) instead of starting one")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -128,6 +134,8 @@ def main(argv=None) -> int:
         print(f"mgrpo: no token given: a new one is in {path} (clients: MGRPO_SERVER_TOKEN=$(cat {path}))",
               file=sys.stderr, flush=True)
     os.environ.pop("MGRPO_SERVER_TOKEN", None)  # vLLM's processes need not see it
+    if args.engine == "sglang":
+        return serve_sglang(args, extra, token)
     import torch
 
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
@@ -166,6 +174,50 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001  (the engine did not start: the model folder, memory, ...)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         return fail(f"--model {args.model}: vLLM could not start on it ({type(exc).__name__}: {first})", 1)
+    return 0
+
+
+def serve_sglang(args, extra: list, token: str) -> int:
+    """SGLang behind mgrpo's guard (mgrpo/rollout/serving/sglang_guard.py)."""
+    import secrets
+    import signal
+
+    from mgrpo.netutil import is_loopback_url
+    from mgrpo.rollout.serving import sglang_guard
+
+    child = None
+    if args.sglang_url:
+        if not is_loopback_url(args.sglang_url):
+            return fail(f"--sglang-url {args.sglang_url} is not on loopback: the guard must be the only way in")
+        url, admin_key = args.sglang_url.rstrip("/"), os.environ.pop("MGRPO_SGLANG_ADMIN_KEY", "")
+        if not admin_key:
+            return fail("--sglang-url needs that server's --admin-api-key in MGRPO_SGLANG_ADMIN_KEY (without one "
+                        "its weight routes are open to anyone on the host)")
+    else:
+        admin_key = secrets.token_urlsafe(32)
+        try:
+            child, url = sglang_guard.start_sglang(os.path.abspath(args.model), admin_key, extra)
+        except Exception as exc:  # noqa: BLE001  (not installed, no GPU kernels, bad model: its own words)
+            return fail(f"--engine sglang: SGLang could not start on {args.model}: {exc}", 1)
+    try:
+        info = sglang_guard.server_info(url, admin_key)
+        if int(info.get("pp_size", 1) or 1) > 1:
+            return fail("--engine sglang with pipeline parallelism inside SGLang: weight sync is not supported; "
+                        "use --tp-size only")
+        ssl_context = None
+        if args.ssl_certfile:
+            import ssl
+
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        sglang_guard.serve(url, admin_key, token, args.host, args.port, args.model,
+                           int(info.get("tp_size", 1) or 1), ssl_context,
+                           on_ready=lambda address: print(f"ready: {address}", flush=True))
+    except OSError as exc:
+        return fail(f"--engine sglang: {exc}", 1)
+    finally:
+        if child is not None:
+            os.killpg(child.pid, signal.SIGTERM)
     return 0
 
 

@@ -1,5 +1,5 @@
 """Under torchrun: one weight push by collective broadcast from a megatron actor at the given layout into rollout
-servers (`--transport collective`); rank 0 prints `receipt: {json}`. Used by tests/rollout/test_collective_sync.py.
+servers (`--transport collective`; `--engine sglang`: SGLang's protocol); rank 0 prints `receipt: {json}`. Used by tests/rollout/test_collective_sync.py.
 
     torchrun --nproc-per-node 4 tests/rollout/collective_push.py --tp 2 --pp 2 --model DIR --servers URL,URL \
         --version 7 --run-id tests
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--version", type=int, required=True)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--bucket-mb", type=int, default=1)
+    ap.add_argument("--engine", choices=("remote", "sglang"), default="remote")
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -63,6 +64,9 @@ def main() -> None:
     setup_model_parallel(cfg.parallel)
     actor = Actor(cfg, args.model, train=False)
     engine = None
+    if args.engine == "sglang":
+        from mgrpo.rollout.engines.sglang import SGLangEngine as RemoteEngine  # noqa: F811
+        from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport as CollectiveTransport
     if dist.get_rank() == 0:
         engine = RemoteEngine(args.servers.split(","), os.environ["MGRPO_SERVER_TOKEN"],
                               load_tokenizer(args.model).eos_token_id, run_id=args.run_id)

@@ -172,7 +172,7 @@ class SGLangCollectiveTransport:
             self._each(live, *PAUSE, failed)
             self._each(live, *BEGIN, failed)
         go = share_json(sorted(failed) if self.engine else [], [0])[0]
-        sent = self._broadcast(model_chunks, plan, headers, set(go)) if self.is_sender else {}
+        sent = self._broadcast(model_chunks, plan, headers, set(go))  # every rank: the TP gathers need them all
         reports = share_json(sent if self.is_sender else {}, self.senders)
         if not self.engine:
             return None
@@ -258,7 +258,8 @@ class SGLangCollectiveTransport:
                     failed[name] = f"sender of stage {self.stage} could not join: {type(exc).__name__}: {exc}"
 
     def _broadcast(self, model_chunks: list, plan: dict, headers: dict, skip: set) -> dict:
-        """This stage's buckets into every live server: one request and one broadcast per bucket and server."""
+        """This stage's buckets into every live server: one request and one broadcast per bucket and server. Every
+        rank calls it (the stage's TP ranks take part in the gathers); only senders get buckets."""
         from mgrpo.rollout.engines.remote import http_json
 
         failed = {name: "skipped" for name in skip}

@@ -1,0 +1,182 @@
+"""Weight sync into SGLang servers through mgrpo's guard (`launch/rollout_server.py --engine sglang`), on CPU.
+
+No SGLang server runs on this CPU (its kernels are CUDA-only), so behind the guard stands `sglang_standin.py`:
+SGLang 0.5.23's own weight plane (its request classes, `WeightUpdater.init_weights_update_group` and
+`receive_weights_from_distributed`) with no model. What these tests show: the guard's rules (token, ownership,
+admin key upstream, the per-bucket and completeness checks that poison); and that a push from a megatron actor at
+TP1 and TP2xPP2 (two senders, one per stage) through SGLangCollectiveTransport arrives bit-exact in SGLang's
+receiver, in SGLang's call order. Generation and logprob parity against a real SGLang server: test_sglang_gpu.py.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from servers import ROOT, TOKEN, Server, http
+
+KEY = "admin-" + "k" * 24
+RUN = "sglang-tests"
+STANDIN = os.path.join(ROOT, "tests", "rollout", "sglang_standin.py")
+WEIGHT_CALLS = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/flush_cache",
+                "/update_weight_version", "/continue_generation"]
+
+
+class Standin:
+    def __init__(self, port: int, dump: str, log: str):
+        self.port, self.dump, self.url = port, dump, f"http://127.0.0.1:{port}"
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, ".sglang"), MGRPO_SGLANG_ADMIN_KEY=KEY,
+                   PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen([sys.executable, STANDIN, "--port", str(port), "--dump", dump],
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 120
+        while "standin ready" not in open(log).read():
+            assert self.proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+            time.sleep(0.3)
+
+    def calls(self):
+        return json.loads(http(self.url + "/standin/calls", token=KEY)[1])
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def env(tiny_dirs, tmp_path_factory):
+    from mgrpo.parallel.distributed import free_port
+
+    if not os.path.isdir(os.path.join(ROOT, ".sglang", "sglang")):
+        pytest.fail(".sglang/ is missing: run bash scripts/setup.sh (it installs SGLang's package there)")
+    model = tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2)
+    logs = tmp_path_factory.mktemp("sglang")
+    standin = Standin(free_port(), str(logs), str(logs / "standin.log"))
+    guards = []
+
+    def guard(**kw):
+        g = Server(model, free_port(), str(logs / f"guard{len(guards)}.log"),
+                   args=["--engine", "sglang", "--sglang-url", standin.url], env={"MGRPO_SGLANG_ADMIN_KEY": KEY},
+                   **kw)
+        guards.append(g)
+        return g
+    yield {"model": model, "standin": standin, "guard": guard(), "new_guard": guard, "logs": logs}
+    for g in guards:
+        g.stop()
+    standin.stop()
+
+
+def owner_headers(run=RUN):
+    return {"x-mgrpo-run": run, "x-mgrpo-attempt": "a1"}
+
+
+def post(server, path, body, headers=None, token=TOKEN):
+    import urllib.error
+    import urllib.request
+
+    h = dict({"Authorization": f"Bearer {token}", "Content-Type": "application/json"}, **(headers or {}))
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST", headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_guard_wants_the_token_everywhere_but_health_and_holds_the_admin_key(env):
+    g, standin = env["guard"], env["standin"]
+    assert g.http("/health", token=None)[0] == 200
+    for path in ("/get_server_info", "/mgrpo/version", "/generate", "/flush_cache"):
+        assert g.http(path, token=None)[0] == 401 and g.http(path, token="wrong")[0] == 401, path
+    status, body = g.http("/get_server_info")  # forwarded with the admin key the client never sees
+    assert status == 200 and json.loads(body)["tp_size"] == 1
+    assert http(standin.url + "/get_server_info", token=TOKEN)[0] == 401  # SGLang's own port: the admin key only
+    info = json.loads(g.http("/mgrpo/version")[1])
+    assert info["workers"] == 1 and info["engine"] == "sglang" and info["version"] == 0
+    assert post(g, "/pause_generation", {"mode": "retract"})[0] == 409  # state change without a trainer run: refused
+    assert g.http("/generate", method="POST", body=b"{}")[0] == 501  # generation passes (the stand-in has no model)
+
+
+def _push(env, tp: int, pp: int, version: int, run=RUN):
+    from mgrpo.parallel.distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
+           str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py"), "--engine", "sglang",
+           "--tp", str(tp), "--pp", str(pp), "--model", env["model"], "--version", str(version), "--servers",
+           env["guard"].url, "--run-id", run]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
+
+
+def _checkpoint(model: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(model)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(model, f)))
+    with open(os.path.join(model, "config.json")) as fh:
+        if json.load(fh).get("tie_word_embeddings"):
+            out.pop("lm_head.weight", None)
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,version", [(1, 1, 1), (2, 2, 2)])
+def test_push_arrives_bit_exact_in_sglangs_receiver(env, tp, pp, version):
+    from safetensors.torch import load_file
+
+    before = len(env["standin"].calls())
+    receipt = _push(env, tp, pp, version)
+    print(receipt)
+    assert receipt["servers"] == [env["guard"].url.split("://")[1]] and receipt["senders"] == pp
+    got = load_file(os.path.join(env["logs"], f"v{version}.safetensors"))
+    want = _checkpoint(env["model"])
+    assert sorted(got) == sorted(want)
+    assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want)
+    calls = env["standin"].calls()[before:]
+    buckets = [c for c in calls if c == "/update_weights_from_distributed"]
+    assert len(buckets) == receipt["buckets"] >= pp
+    assert [c for c in calls if c in WEIGHT_CALLS] == WEIGHT_CALLS  # SGLang's bracket, flush, version, resume
+    if tp * pp == 1:
+        assert calls[0] == "/init_weights_update_group"  # first push: the group is opened, then kept
+    info = json.loads(env["guard"].http("/mgrpo/version")[1])
+    assert info["version"] == version and info["owner"]["run"] == RUN
+
+
+def test_another_run_is_refused_and_versions_only_increase(env):
+    g = env["guard"]
+    status, body = post(g, "/begin_weight_update", {}, owner_headers("someone-else"))
+    assert status == 409 and "another trainer" in body["error"]
+    v = json.loads(g.http("/mgrpo/version")[1])["version"]
+    status, body = post(g, "/update_weight_version", {"new_version": str(v), "abort_all_requests": False},
+                        owner_headers())
+    assert status == 409, body
+
+
+def test_an_unknown_tensor_poisons_before_sglang_sees_it(env):
+    g = env["new_guard"]()
+    h = owner_headers("poison-run")
+    assert post(g, "/begin_weight_update", {}, h)[0] == 200
+    status, body = post(g, "/update_weights_from_distributed", {
+        "names": ["model.layers.0.mlp.not_a_weight"], "dtypes": ["float32"], "shapes": [[4]],
+        "group_name": "x", "load_format": "flattened_bucket", "flush_cache": False}, h)
+    assert status == 400 and "unknown tensor" in body["error"]
+    assert g.http("/health", token=None)[0] == 503
+    assert "unknown tensor" in json.loads(g.http("/mgrpo/version")[1])["poisoned"]
+    assert g.http("/generate", method="POST", body=b"{}")[0] == 503
+
+
+def test_an_incomplete_version_is_refused_and_poisons(env):
+    g = env["new_guard"]()
+    h = owner_headers("incomplete-run")
+    assert post(g, "/begin_weight_update", {}, h)[0] == 200
+    status, body = post(g, "/update_weight_version", {"new_version": "5", "abort_all_requests": False}, h)
+    assert status == 409 and "incomplete" in body["error"]
+    assert json.loads(g.http("/mgrpo/version")[1])["version"] == 0
+    assert g.http("/health", token=None)[0] == 503
