@@ -212,7 +212,7 @@ def serve_sglang(args, extra: list, token: str) -> int:
             ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
         sglang_guard.serve(url, admin_key, token, args.host, args.port, args.model,
                            int(info.get("tp_size", 1) or 1), ssl_context,
-                           on_ready=lambda address: print(f"ready: {address}", flush=True))
+                           on_ready=lambda address: print(f"ready: {address}", flush=True), child=child)
     except OSError as exc:
         return fail(f"--engine sglang: {exc}", 1)
     finally:

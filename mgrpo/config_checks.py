@@ -100,9 +100,11 @@ def check_remote(r) -> list:
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
+    if m.transport == "auto":
+        m.transport = "collective" if r.engine == "sglang" else "http"
     if m.transport not in ("http", "collective"):
-        e.append(f"rollout.remote.transport={m.transport!r}; use http or collective (start the servers with "
-                 f"--transport collective)")
+        e.append(f"rollout.remote.transport={m.transport!r}; use auto, http or collective (vLLM servers: start "
+                 f"them with --transport collective)")
     if r.engine == "sglang" and m.transport != "collective":
         e.append(f"rollout.engine=sglang with rollout.remote.transport={m.transport!r}: SGLang servers take weights "
                  f"by collective broadcast only; set rollout.remote.transport: collective")

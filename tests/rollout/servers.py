@@ -15,7 +15,8 @@ TOKEN = "test-token-" + "x" * 20
 class Server:
     """One launch/rollout_server.py process (its own session: killing the group takes vLLM's engine core too)."""
 
-    def __init__(self, model: str, port: int, log: str, token: str = TOKEN, args=(), env=None, tls_dir=None):
+    def __init__(self, model: str, port: int, log: str, token: str = TOKEN, args=(), env=None, tls_dir=None,
+                 timeout: float = 300):
         """tls_dir: serve https with a certificate for 127.0.0.1 made there (`self.cert` is what clients trust)."""
         self.model, self.port, self.log_path, self.token = model, port, log, token
         self.args, self.env = list(args), dict(env or {})
@@ -26,7 +27,7 @@ class Server:
             self.cert, key = self_signed(str(tls_dir))
             self.args += ["--ssl-certfile", self.cert, "--ssl-keyfile", key]
             self.url, self.context = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=self.cert)
-        self.start()
+        self.start(timeout)
 
     def start(self, timeout: float = 300):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",

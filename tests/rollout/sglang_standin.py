@@ -21,7 +21,7 @@ import sglang_peer  # noqa: E402,F401  (stands in for the two torchvision-bound 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--dump", required=True)
+    ap.add_argument("--dump", required=True, help="where each version's weights go (and a receive-delay file)")
     args = ap.parse_args()
     key = os.environ["MGRPO_SGLANG_ADMIN_KEY"]
 
@@ -36,7 +36,8 @@ def main() -> None:
     updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
                             get_model=None, update_model_fields=None, recapture_cuda_graph=None,
                             get_model_runner=None)
-    weights, calls, lock = {}, [], asyncio.Lock()
+    weights, calls, lock, version = {}, [], asyncio.Lock(), ["0"]
+    delay = os.path.join(args.dump, "receive-delay")  # tests: seconds to wait before each bucket, if it exists
     parse = {"/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
              "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
              "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
@@ -53,6 +54,8 @@ def main() -> None:
             return web.json_response({"error": "Unauthorized"}, status=401)
         if path == "/get_server_info":
             return web.json_response({"tp_size": 1, "pp_size": 1, "weight_version": "0"})
+        if path == "/model_info":
+            return web.json_response({"weight_version": version[0]})
         if path == "/standin/calls":
             return web.json_response(calls)
         if path == "/generate":
@@ -68,6 +71,8 @@ def main() -> None:
                         obj.world_size, obj.group_name, obj.backend)
                     return web.json_response({"success": ok, "message": msg}, status=200 if ok else 400)
                 if path == "/update_weights_from_distributed":
+                    if os.path.exists(delay):
+                        await asyncio.sleep(float(open(delay).read() or 0))
                     got = await asyncio.to_thread(updater.receive_weights_from_distributed, names=obj.names,
                                                   dtypes=obj.dtypes, shapes=obj.shapes, group_name=obj.group_name,
                                                   load_format=obj.load_format)
@@ -75,6 +80,7 @@ def main() -> None:
                 elif path == "/update_weight_version":
                     save_file(dict(weights), os.path.join(args.dump, f"v{obj.new_version}.safetensors"))
                     weights.clear()
+                    version[0] = obj.new_version
                 return web.json_response({"success": True, "message": "ok"})
             except Exception as exc:  # noqa: BLE001
                 return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=400)

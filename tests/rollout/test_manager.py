@@ -120,8 +120,15 @@ def test_capabilities_and_registry_are_checked_at_start():
     with pytest.raises(ValueError, match="engine raw#0 returns raw logprobs"):
         check_capabilities(raw, cfg())
     check_capabilities(ScriptedEngine(), cfg())
-    with pytest.raises(ConfigError, match="rollout.engine='sglang' is not available in this build"):
-        cfg("--rollout.engine", "sglang")
+    with pytest.raises(ConfigError, match="rollout.engine='sglang2' is not available in this build"):
+        cfg("--rollout.engine", "sglang2")
+    with pytest.raises(ConfigError, match="rollout.engine=sglang with rollout.remote.transport='http'"):
+        cfg("--rollout.engine", "sglang", "--rollout.servers", "http://127.0.0.1:1", "--rollout.remote.transport",
+            "http")
+    assert cfg("--rollout.engine", "sglang", "--rollout.servers",
+               "http://127.0.0.1:1").rollout.remote.transport == "collective"  # auto
+    assert cfg("--rollout.engine", "remote", "--rollout.servers",
+               "http://127.0.0.1:1").rollout.remote.transport == "http"
     with pytest.raises(ConfigError, match=r"rollout.vllm.update_ring=1; use 0 .* or >= 2"):
         cfg("--rollout.engine", "vllm", "--rollout.vllm.update_ring", "1")
     with pytest.raises(ConfigError, match="rollout.vllm.dtype='fp8'"):

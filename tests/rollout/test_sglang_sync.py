@@ -175,8 +175,61 @@ def test_an_unknown_tensor_poisons_before_sglang_sees_it(env):
 def test_an_incomplete_version_is_refused_and_poisons(env):
     g = env["new_guard"]()
     h = owner_headers("incomplete-run")
+    before = json.loads(g.http("/mgrpo/version")[1])["version"]  # what the SGLang behind it holds
     assert post(g, "/begin_weight_update", {}, h)[0] == 200
-    status, body = post(g, "/update_weight_version", {"new_version": "5", "abort_all_requests": False}, h)
+    status, body = post(g, "/update_weight_version", {"new_version": "50", "abort_all_requests": False}, h)
     assert status == 409 and "incomplete" in body["error"]
-    assert json.loads(g.http("/mgrpo/version")[1])["version"] == 0
+    assert json.loads(g.http("/mgrpo/version")[1])["version"] == before
     assert g.http("/health", token=None)[0] == 503
+
+
+def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env, tmp_path):
+    """Two SGLang servers; the second's stand-in is SIGKILLed while it waits to receive a bucket: the push fails
+    there within the timeout, the first takes the version, the second is excluded; restarted (its start weights,
+    version 0 again) it gets new groups and the whole model at the next push."""
+    import threading
+
+    from engine_helpers import trainer_actor
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.parallel.distributed import free_port
+    from mgrpo.rollout.engines.sglang import SGLangEngine
+    from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
+
+    b_dump = tmp_path / "b"
+    b_dump.mkdir()
+    b_port = free_port()
+    b = Standin(b_port, str(b_dump), str(tmp_path / "standin_b.log"))
+    guard_b = Server(env["model"], free_port(), str(tmp_path / "guard_b.log"),
+                     args=["--engine", "sglang", "--sglang-url", b.url], env={"MGRPO_SGLANG_ADMIN_KEY": KEY})
+    guards = [env["guard"], guard_b]
+    try:
+        engine = SGLangEngine([g.url for g in guards], TOKEN, load_tokenizer(env["model"]).eos_token_id,
+                              run_id=RUN, take_over=True)
+        transport = SGLangCollectiveTransport(engine, 1 << 20, timeout_s=30)
+        actor = trainer_actor(env["model"])
+        assert transport.send_model(actor.models(), 10)["servers"] == sorted(g.url[7:] for g in guards)
+        (b_dump / "receive-delay").write_text("4")
+        killer = threading.Timer(2.0, b.stop)
+        killer.start()
+        t0 = time.time()
+        receipt = transport.send_model(actor.models(), 11)
+        took = time.time() - t0
+        killer.join()
+        why = engine.replicas[1].last_error
+        print(f"killed mid-broadcast: {took:.1f} s, receipt servers {receipt['servers']}; {guard_b.url}: {why[:300]}")
+        assert receipt["servers"] == [guards[0].url[7:]] and not engine.replicas[1].up and took < 30
+        assert "not applied" in why
+        (b_dump / "receive-delay").unlink()
+        b = Standin(b_port, str(b_dump), str(tmp_path / "standin_b2.log"))  # restarted: version "0", no groups
+        assert json.loads(guard_b.http("/mgrpo/version")[1])["version"] == 0
+        receipt = transport.send_model(actor.models(), 12)
+        assert receipt["servers"] == sorted(g.url[7:] for g in guards)
+        assert [json.loads(g.http("/mgrpo/version")[1])["version"] for g in guards] == [12, 12]
+        from safetensors.torch import load_file
+
+        got, want = load_file(str(b_dump / "v12.safetensors")), _checkpoint(env["model"])
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        transport.close()
+    finally:
+        guard_b.stop()
+        b.stop()

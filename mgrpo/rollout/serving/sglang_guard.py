@@ -86,10 +86,30 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         headers = {"Authorization": f"Bearer {admin_key}"}
         if request.content_type:
             headers["Content-Type"] = request.content_type
-        async with session.request(request.method, upstream + request.path_qs, data=data or None,
-                                   headers=headers) as resp:
-            payload = await resp.read()
-            return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
+        try:
+            async with session.request(request.method, upstream + request.path_qs, data=data or None,
+                                       headers=headers) as resp:
+                payload = await resp.read()
+                return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
+        except aiohttp.ClientError as exc:  # gone (a restarted SGLang holds its start weights: not poisoned)
+            resp = refuse(502, f"SGLang behind this guard does not answer ({type(exc).__name__}: {exc})")
+            resp.headers["x-mgrpo-upstream"] = "unreachable"
+            return resp
+
+    async def upstream_version(request: web.Request) -> None:
+        """SGLang's own weight version is the truth: a restarted SGLang holds its start weights again (its version
+        is then not ours, e.g. "0" or "default": -1), whatever this guard last let through; an update it was
+        taking is gone with it."""
+        try:
+            async with request.app["session"].get(upstream + "/model_info", headers={
+                    "Authorization": f"Bearer {admin_key}"}, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                seen = (await resp.json()).get("weight_version") if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            return
+        if seen is not None and str(seen) != str(state.version):
+            state.log(f"SGLang reports weight version {seen!r}, not {state.version}: it was restarted")
+            state.version = int(seen) if str(seen).lstrip("-").isdigit() else -1
+            state.manifest = None
 
     async def handle(request: web.Request) -> web.Response:
         method, path = request.method, request.path
@@ -102,6 +122,7 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                                                "<MGRPO_SERVER_TOKEN>"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         if path == "/mgrpo/version":
+            await upstream_version(request)
             return web.json_response({"version": state.version, "owner": state.ownership.state(),
                                       "poisoned": state.poisoned or None, "workers": state.workers,
                                       "engine": "sglang"})
@@ -141,7 +162,8 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                 return refuse(409, f"version {version} is incomplete: {len(missing)} tensors of the model never "
                                    f"arrived, e.g. {missing[:3]}; the server is poisoned (it loaded part of it)")
         resp = await forward(request, raw)
-        if path == "/update_weights_from_distributed" and resp.status != 200:
+        if path == "/update_weights_from_distributed" and resp.status != 200 and \
+                "x-mgrpo-upstream" not in resp.headers:
             state.poison(f"SGLang failed a bucket of an update ({resp.status}): {resp.body[:200]!r}")
         if path == "/update_weight_version" and resp.status == 200:
             state.version, state.manifest = version, None
@@ -162,8 +184,9 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
 
 
 def serve(upstream: str, admin_key: str, token: str, host: str, port: int, model_dir: str, workers: int,
-          ssl_context=None, on_ready=None) -> None:
-    """Serve the guard until stopped (blocking)."""
+          ssl_context=None, on_ready=None, child=None) -> None:
+    """Serve the guard until stopped (blocking); with `child` (the SGLang process it started), stop when it dies:
+    a guard without its engine would look alive to the trainer."""
     from aiohttp import web
 
     from mgrpo.rollout.serving.vllm_settings import hf_manifest
@@ -172,6 +195,17 @@ def serve(upstream: str, admin_key: str, token: str, host: str, port: int, model
     state = GuardState(expected, optional, workers, log=lambda m: print(f"mgrpo guard: {m}", file=sys.stderr,
                                                                         flush=True))
     app = make_app(upstream.rstrip("/"), admin_key, token, state)
+    if child is not None:
+        import asyncio
+
+        async def watch(_app):
+            async def loop():
+                while child.poll() is None:
+                    await asyncio.sleep(1.0)
+                state.log(f"SGLang exited ({child.returncode}); the guard stops too")
+                os._exit(1)
+            _app["watch"] = asyncio.create_task(loop())
+        app.on_startup.append(watch)
     address = f"{'https' if ssl_context else 'http'}://{host}:{port}"
     web.run_app(app, host=host, port=port, ssl_context=ssl_context, handle_signals=True, access_log=None,
                 shutdown_timeout=1.0, print=lambda *_: (on_ready or print)(address))
