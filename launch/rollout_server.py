@@ -197,6 +197,8 @@ def serve_sglang(args, extra: list, token: str) -> int:
         admin_key = secrets.token_urlsafe(32)
         try:
             child, url = sglang_guard.start_sglang(os.path.abspath(args.model), admin_key, extra)
+        except ValueError as exc:  # the environment: the user's to fix
+            return fail(f"--engine sglang: {exc}")
         except Exception as exc:  # noqa: BLE001  (not installed, no GPU kernels, bad model: its own words)
             return fail(f"--engine sglang: SGLang could not start on {args.model}: {exc}", 1)
     try:

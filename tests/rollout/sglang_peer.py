@@ -11,6 +11,7 @@ patches transformers, so never in pytest's own process). It judges with SGLang's
                  `TokenizerManager.detokenize_logprob_tokens`, per-token versions from `compute_weight_version_spans`
                  + `add_weight_versions_to_meta_info`, serialised by `dumps_json` (the dict layout is
                  tokenizer_manager.py's, for BatchTokenIDOutput: output_ids + meta_info).
+  argv FILE      the guard's SGLang command line through SGLang's own CLI parser.
   receive ...    a `WeightUpdater` (SGLang's, as worker `tp_rank`) joins the group with mgrpo's
                  /init_weights_update_group body (`init_weights_update_group`: rank = offset + TP rank, SGLang's
                  `init_custom_process_group`) and takes flattened buckets with `receive_weights_from_distributed`
@@ -111,6 +112,16 @@ def answer(path: str) -> list:
     return out
 
 
+def argv(path: str) -> dict:
+    """SGLang's own CLI parse (`prepare_server_args`, as `python -m sglang.launch_server` does) of the arguments the
+    guard starts it with."""
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(json.load(open(path)))
+    return {k: getattr(args, k) for k in ("model_path", "host", "port", "api_key", "admin_api_key",
+                                          "skip_tokenizer_init", "weight_version", "dtype")}
+
+
 def receive(init_path: str, tp_rank: int, meta_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -140,4 +151,4 @@ if __name__ == "__main__":
     if mode == "receive":
         receive(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
     else:
-        print(json.dumps({"check": check, "answer": answer}[mode](sys.argv[2])))
+        print(json.dumps({"check": check, "answer": answer, "argv": argv}[mode](sys.argv[2]), default=str))

@@ -233,3 +233,20 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env,
     finally:
         guard_b.stop()
         b.stop()
+
+
+def test_the_launcher_refuses_unsafe_or_impossible_sglang_setups(env, tmp_path):
+    """One line and exit 2 for what a user can fix; exit 1 with SGLang's own last words when it cannot start."""
+    base = [sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--engine", "sglang", "--model",
+            env["model"], "--port", "1"]
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MGRPO_SGLANG_ADMIN_KEY", "SGLANG_RETURN_ORIGINAL_LOGPROB")}
+    cases = [(["--sglang-url", "http://10.1.2.3:30000"], {}, 2, "is not on loopback"),
+             (["--sglang-url", "http://127.0.0.1:30000"], {}, 2, "MGRPO_SGLANG_ADMIN_KEY"),
+             ([], {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, 2, "unset it"),
+             ([], {}, 1, "SGLang exited")]  # no SGLang in the trainer's venv: its own error comes back
+    for extra, more, code, words in cases:
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120,
+                           env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN, **more))
+        print(extra, more, r.returncode, r.stderr.strip().splitlines()[-1:])
+        assert r.returncode == code and words in r.stderr, r.stderr[-2000:]

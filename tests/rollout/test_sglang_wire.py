@@ -95,6 +95,16 @@ def test_answers_built_by_sglang_parse_into_tokens_logprobs_and_versions(tmp_pat
         parse_generate(broken, "s1")
 
 
+def test_the_guards_sglang_command_line_parses_with_sglangs_own_cli(tmp_path):
+    from mgrpo.rollout.serving.sglang_guard import sglang_command
+
+    cmd = sglang_command("/models/qwen", 30123, "k" * 43, ["--dtype", "float32"])
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    got = run_json("argv", cmd[3:], tmp_path)
+    assert got == {"model_path": "/models/qwen", "host": "127.0.0.1", "port": 30123, "api_key": "k" * 43,
+                   "admin_api_key": "k" * 43, "skip_tokenizer_init": True, "weight_version": "0", "dtype": "float32"}
+
+
 def _tensors():
     g = torch.Generator().manual_seed(3)
     return [[("model.embed_tokens.weight", torch.randn(33, 16, generator=g).to(torch.bfloat16)),

@@ -230,7 +230,7 @@ def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 180
     from mgrpo.parallel.distributed import free_port
 
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
-        raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return logprobs before temperature, "
+        raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return logprobs before temperature, "
                            "not those of the distribution it samples from; unset it")
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
