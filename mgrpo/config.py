@@ -102,7 +102,7 @@ class RemoteConfig:
     max_consecutive_failures: int = 3  # a replica is excluded after this many failed requests in a row
     run_id: str = ""  # this trainer run on the servers; "": random for a fresh run, the checkpoint's on --resume
     take_over: bool = False  # update servers that another trainer run owns (logged there); else they answer 409
-    transport: str = "auto"  # auto: http for remote, collective for sglang | http (buckets, TLS) | collective (per stage)
+    transport: str = "auto"  # auto (http for remote, collective for sglang) | http (buckets, TLS) | collective
     collective_bind: str = "127.0.0.1"  # the address the senders' collective data connections use
 
 

@@ -94,8 +94,8 @@ def check_remote(r) -> list:
     if m.checksum not in ("xxh3_128", "sha256"):
         e.append(f"rollout.remote.checksum={m.checksum!r}; use xxh3_128 (fast, catches corruption) or sha256")
     if r.engine_placement == "per_dp":
-        e.append(f"rollout.engine={r.engine} with rollout.engine_placement=per_dp would have every DP leader push the same "
-                 "versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
+        e.append(f"rollout.engine={r.engine} with rollout.engine_placement=per_dp would have every DP leader push the "
+                 "same versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
                  "partitioned per DP group)")
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:

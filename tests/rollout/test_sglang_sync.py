@@ -149,14 +149,16 @@ def test_push_arrives_bit_exact_in_sglangs_receiver(env, tp, pp, version):
     assert info["version"] == version and info["owner"]["run"] == RUN
 
 
-def test_another_run_is_refused_and_versions_only_increase(env):
+def test_another_run_is_refused_and_a_version_without_an_update_too(env):
     g = env["guard"]
     status, body = post(g, "/begin_weight_update", {}, owner_headers("someone-else"))
     assert status == 409 and "another trainer" in body["error"]
     v = json.loads(g.http("/mgrpo/version")[1])["version"]
-    status, body = post(g, "/update_weight_version", {"new_version": str(v), "abort_all_requests": False},
+    status, body = post(g, "/update_weight_version", {"new_version": str(v + 1), "abort_all_requests": False},
                         owner_headers())
-    assert status == 409, body
+    assert status == 409 and "no update in progress" in body["error"]
+    assert g.http("/health", token=None)[0] == 200  # refused, not poisoned: nothing was loaded
+    assert json.loads(g.http("/mgrpo/version")[1])["version"] == v
 
 
 def test_an_unknown_tensor_poisons_before_sglang_sees_it(env):

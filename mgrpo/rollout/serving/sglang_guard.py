@@ -155,7 +155,9 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                 state.poison(f"update refused half-way: {why}")
                 return refuse(400, why)
         elif path == "/update_weight_version":
-            missing = state.manifest.missing() if state.manifest else ["(no /begin_weight_update)"]
+            if state.manifest is None:  # nothing was sent: nothing to poison
+                return refuse(409, f"version {version}: no update in progress (/begin_weight_update first)")
+            missing = state.manifest.missing()
             if missing:
                 state.poison(f"version {version} incomplete: {len(missing)} tensors never arrived "
                              f"({', '.join(missing[:3])}...)")

@@ -200,7 +200,7 @@ class SGLangCollectiveTransport:
             raise WeightSyncError(f"weight version {version} reached no SGLang server: "
                                   f"{self.engine.no_replica_left()}")
         self.engine.version = version
-        return dict(version=version, servers=receipts, transport="collective-sglang", senders=len(self.senders),
+        return dict(version=version, servers=sorted(receipts), transport="collective-sglang", senders=len(self.senders),
                     bytes=sum(rep.get("bytes", 0) for rep in reports),
                     buckets=sum(rep.get("buckets", 0) for rep in reports),
                     export_s=max(rep.get("export_s", 0.0) for rep in reports),
