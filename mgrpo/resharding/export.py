@@ -52,10 +52,13 @@ def _plan(params: list, bucket_bytes: int, tp: int) -> list:
     return groups + ([cur] if cur else [])
 
 
-def _gather_group(group: list, tp_group, tp: int) -> list:
-    """Full HF tensors of one bucket with one all-gather per dtype over TP."""
+def _gather_group(group: list, tp_group, tp: int):
+    """Full HF tensors of one bucket with one all-gather per dtype over TP; yielded one parameter at a time (a
+    consumer that copies each away holds the gathered shards and one parameter's full tensors, not the bucket's)."""
     if tp == 1:
-        return [item for local, m in group for item in m.unshard([local]).items()]
+        for local, m in group:
+            yield from m.unshard([local]).items()
+        return
     parts_of = {}
     for dtype in {local.dtype for local, _ in group}:
         members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
@@ -66,11 +69,14 @@ def _gather_group(group: list, tp_group, tp: int) -> list:
             dist.all_gather_into_tensor(gathered.view(-1), flat.contiguous(), group=tp_group)
         else:  # gloo stages all_gather_into_tensor through one more full-size copy than this
             dist.all_gather(list(gathered.unbind(0)), flat.contiguous(), group=tp_group)
+        del flat
         off = 0
         for i, local in members:
             parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(tp)]
             off += local.numel()
-    return [item for i, (_, m) in enumerate(group) for item in m.unshard(parts_of[i]).items()]
+        del gathered  # the parts keep it alive until the last of them is unsharded
+    for i, (_, m) in enumerate(group):
+        yield from m.unshard(parts_of.pop(i)).items()
 
 
 def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
@@ -128,6 +134,20 @@ def stage_senders() -> list:
     coords = _coords()
     return [next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
             for stage in range(mpu.get_pipeline_model_parallel_world_size())]
+
+
+def stage_tensors(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """This PP stage's weights as (hf_name, full tensor), one parameter's at a time, on the stage's (DP0, TP0, CP0)
+    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 take part in the
+    gathers (TP groups of about `bucket_bytes`); every other rank returns at once."""
+    if mpu.get_data_parallel_rank() != 0 or mpu.get_context_parallel_rank() != 0:
+        return
+    stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes)
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        yield from stream
+    else:
+        for _ in stream:
+            pass
 
 
 def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):

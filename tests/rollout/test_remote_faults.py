@@ -291,7 +291,7 @@ def test_the_client_refuses_plain_http_off_loopback():
     for ok in (["--rollout.servers", "https://10.1.2.3:8000"], ["--rollout.servers", "http://127.0.0.1:8000"],
                ["--rollout.servers", "http://10.1.2.3:8000", "--rollout.remote.allow_plain_http", "true"]):
         load_config(base[0], base[1] + ok, check_files=False)
-    with pytest.raises(ConfigError, match="rollout.remote.transport='nccl'; use http or collective"):
+    with pytest.raises(ConfigError, match="rollout.remote.transport='nccl'; use auto, http or collective"):
         load_config(base[0], base[1] + ["--rollout.servers", "http://127.0.0.1:1", "--rollout.remote.transport",
                                         "nccl"], check_files=False)
     with pytest.raises(ConfigError, match="engine_placement=per_dp"):

@@ -21,14 +21,23 @@ import torch
 
 from mgrpo.rollout.engines.remote import RemoteEngineError
 from mgrpo.rollout.engines.sglang import SGLangEngine, parse_generate
+from mgrpo.resharding.stream_pack import StreamPacker
 from mgrpo.rollout.transports.collective_sglang import (BEGIN, END, FLUSH, PAUSE, RESUME, bucket_body,
-                                                        init_group_body, pack_flattened, unpack_flattened,
-                                                        version_body)
+                                                        init_group_body, version_body)
 from mgrpo.rollout.types import GenerationRequest, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER = os.path.join(ROOT, "tests", "rollout", "sglang_peer.py")
 SGLANG = os.path.join(ROOT, ".sglang")
+
+
+def pack_flattened(items: list) -> tuple:
+    """(flat, {names, dtypes, shapes}) of items that make one bucket in SGLang's layout, as the senders pack it."""
+    packer = StreamPacker([None, None], 1 << 30, "flattened")
+    for name, t in items:
+        assert packer.fits(t), f"{name} would start a new bucket"
+        packer.add(name, t)
+    return packer.take()
 
 
 def peer(*args, timeout=240) -> subprocess.CompletedProcess:
@@ -60,7 +69,7 @@ def test_request_bodies_pass_sglangs_own_parsers(tmp_path):
            e.request_body(req, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=8)),
            e.request_body(req, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)),
            _engine(None).request_body(req, SamplingParams())]
-    meta = pack_flattened([("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, 2))])[1]
+    meta = pack_flattened([("b", torch.zeros(2, 2)), ("a", torch.zeros(3, dtype=torch.bfloat16))])[1]
     control = [init_group_body("127.0.0.1", 29500, 2, "mgrpo-abc-stage0", "gloo"), PAUSE, BEGIN,
                ("/update_weights_from_distributed", bucket_body(meta, "mgrpo-abc-stage1")), END, FLUSH,
                ("/update_weight_version", version_body(7)), RESUME]
@@ -107,10 +116,10 @@ def test_the_guards_sglang_command_line_parses_with_sglangs_own_cli(tmp_path):
 
 def _tensors():
     g = torch.Generator().manual_seed(3)
-    return [[("model.embed_tokens.weight", torch.randn(33, 16, generator=g).to(torch.bfloat16)),
+    return [[("counts", torch.randint(0, 9, (3,), generator=g, dtype=torch.int64)),
              ("model.norm.weight", torch.randn(7, generator=g)),
-             ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 3, generator=g).half()),
-             ("counts", torch.randint(0, 9, (3,), generator=g, dtype=torch.int64))],
+             ("model.embed_tokens.weight", torch.randn(33, 16, generator=g).to(torch.bfloat16)),
+             ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 3, generator=g).half())],
             [("lm_head.weight", torch.randn(64, 16, generator=g))]]
 
 
@@ -154,13 +163,3 @@ def test_flattened_buckets_reach_sglangs_own_receiver_bit_exact(tmp_path):
         assert sorted(got) == sorted(want)
         for n, t in want.items():
             assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
-
-
-def test_flattened_layout_is_aligned_and_round_trips():
-    items = [("odd_bf16", torch.arange(3, dtype=torch.bfloat16)), ("i64", torch.arange(5, dtype=torch.int64)),
-             ("u8", torch.arange(7, dtype=torch.uint8)), ("f32", torch.arange(3, dtype=torch.float32))]
-    flat, meta = pack_flattened(items)
-    assert meta["dtypes"] == ["int64", "float32", "bfloat16", "uint8"]  # widest first: every offset aligned
-    assert flat.numel() == 5 * 8 + 3 * 4 + 3 * 2 + 7
-    back = dict(unpack_flattened(flat, meta))
-    assert all(torch.equal(back[n], t) for n, t in items)

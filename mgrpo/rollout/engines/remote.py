@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from mgrpo.rollout.control import ServerCallError, http_json, tls_context
 from mgrpo.rollout.engine import Capabilities, register_engine
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
@@ -117,8 +118,11 @@ class RemoteEngine:
 
     def call(self, replica: Replica, method: str, path: str, body: dict | None = None, timeout: float | None = None,
              headers: dict | None = None) -> dict:
-        return http_json(replica.url, method, path, body, headers or self.headers, timeout or self.connect_timeout_s,
-                         self.ssl, replica.name)
+        try:
+            return http_json(replica.url, method, path, body, headers or self.headers,
+                             timeout or self.connect_timeout_s, self.ssl, replica.name)
+        except ServerCallError as exc:
+            raise RemoteEngineError(str(exc)) from None
 
     def serving(self) -> list:
         return [r for r in self.replicas if r.up and r.version == self.version]
@@ -258,35 +262,6 @@ class RemoteEngine:
 
     def close(self) -> None:
         pass
-
-
-def http_json(url: str, method: str, path: str, body: dict | None, headers: dict, timeout: float, context=None,
-              name: str = "") -> dict:
-    """One JSON call to a rollout server (stdlib: no event loop); any failure is a RemoteEngineError naming it."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method, headers=dict(
-        headers, **({"Content-Type": "application/json"} if data is not None else {})))
-    name = name or url.split("://", 1)[-1]
-    try:
-        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
-            raw = resp.read()
-            return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else {"text": raw.decode(errors="replace")}
-    except urllib.error.HTTPError as exc:
-        raise RemoteEngineError(f"rollout server {name}: {method} {path} -> {exc.code} "
-                                f"{exc.read()[:300].decode(errors='replace')}") from None
-    except (OSError, ValueError) as exc:
-        raise RemoteEngineError(f"rollout server {name}: {method} {path} failed: {exc}") from None
-
-
-def tls_context(ca_file: str = ""):
-    """The TLS context every https call to the servers uses: certificates checked, against `ca_file` if given."""
-    import ssl
-
-    return ssl.create_default_context(cafile=os.path.expanduser(ca_file) if ca_file else None)
 
 
 def _health(url: str, timeout: float, context=None) -> None:

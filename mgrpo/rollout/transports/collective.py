@@ -1,10 +1,11 @@
 """Weight sync by collective broadcast into remote rollout servers (`rollout.remote.transport: collective`).
 
 One sender per pipeline stage: each stage's (DP0, TP0, CP0) rank gathers its own stage's TP shards into full HF
-tensors (`resharding/export.py::stage_buckets`) and broadcasts them, bucket by bucket, into one process group per
+tensors (`resharding/export.py::stage_tensors`) and broadcasts them, bucket by bucket, into one process group per
 server (`collective_group.py`); no rank ever holds more than its stage, and stages send at the same time. Each
-bucket is one flat buffer with its manifest; the next bucket is gathered and packed while the current one is on
-the wire (two buckets alive at most). The server checks every bucket against the model and the whole set for
+bucket is one flat buffer with its manifest, packed one tensor at a time as the export makes it
+(`resharding/stream_pack.py`); the next bucket is gathered and packed while the current one is on the wire (two
+buffers, the gather in progress and one parameter's full tensors alive at most). The server checks every bucket against the model and the whole set for
 completeness before it loads anything (`serving/collective_receiver.py`).
 
 Control stays on HTTP, driven by the rank that owns the engine (global rank 0): it opens groups on the servers
@@ -21,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from mgrpo.resharding.bucket import align_up, pack_bucket
-from mgrpo.resharding.export import stage_buckets, stage_senders
+from mgrpo.resharding.export import stage_senders, stage_tensors
+from mgrpo.resharding.stream_pack import StreamPacker
 from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.transports.collective_group import join_group, send_bucket, send_end
 
@@ -143,18 +144,25 @@ class CollectiveTransport:
                 except Exception as exc:  # noqa: BLE001  (a server gone mid-broadcast)
                     failed.setdefault(group_name, f"broadcast broke: {type(exc).__name__}: {exc}")
 
-        for items in stage_buckets(model_chunks, self.bucket_bytes):
-            slot = self._buffer(stats["buckets"] % 2, sum(align_up(t.numel() * t.element_size()) for _, t in items))
-            bucket = pack_bucket(items, version, stats["buckets"], checksum=False, out=slot)
+        def emit(bucket):
+            nonlocal inflight, t
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             started = self._start(failed, bucket)
-            settle(inflight)  # the previous bucket; this one is on the wire while the next is gathered
+            settle(inflight)  # the previous bucket; this one is on the wire while the next is gathered and packed
             inflight = started
             stats["transfer_s"] += time.perf_counter() - t
             stats["bytes"] += bucket.flat.numel()
             stats["buckets"] += 1
             t = time.perf_counter()
+
+        packer = StreamPacker(self.buffers, self.bucket_bytes, "aligned")
+        for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
+            if not packer.fits(tensor):
+                emit(packer.take(version))
+            packer.add(name, tensor)
+        if len(packer):
+            emit(packer.take(version))
         if self.is_sender:
             t = time.perf_counter()
             settle(inflight)
@@ -172,16 +180,6 @@ class CollectiveTransport:
         groups = [self.groups[n] for n in names]
         started = send_bucket(groups, bucket) if bucket is not None else send_end(groups)
         return [(n, works) for n, (_, works) in zip(names, started)]
-
-    def _buffer(self, slot: int, nbytes: int):
-        """Two flat send buffers, reused from update to update (bucket k packs into k % 2 while k - 1 is on the
-        wire; k - 2, its previous user, has finished by then)."""
-        import torch
-
-        have = self.buffers[slot]
-        if have is None or have.numel() < nbytes:
-            self.buffers[slot] = have = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8)
-        return have
 
     def probe(self, nbytes: int, bucket_bytes: int) -> dict:
         """The limit for benchmarks (single sender, after a send_model opened the groups): `nbytes` of plain

@@ -12,13 +12,14 @@ side is its own code (`sglang/srt/model_executor/model_runner_components/weight_
   update  owner: `/pause_generation {mode: retract}` (requests go back to the queue; the cache can be flushed),
           `/begin_weight_update`; then each sender, per bucket: `POST /update_weights_from_distributed {names,
           dtypes, shapes, group_name, load_format: "flattened_bucket", flush_cache: false}` while it broadcasts the
-          bucket as one flat uint8 tensor (SGLang's `FlattenedTensorBucket` layout: back to back, no padding; the
-          widest dtypes first so every offset is aligned). One request per group in flight (SGLang serves them in
-          order of arrival); the next bucket is gathered and packed meanwhile. Owner, when every stage is through:
-          `/end_weight_update`, `/flush_cache`, `/update_weight_version {new_version, abort_all_requests: false}`,
-          `/continue_generation`.
-  check   mgrpo's guard in front of SGLang (`serving/sglang_guard.py`) checks each bucket's names, shapes and
-          dtypes against the model before SGLang sees them, and refuses the version (poisoning the server: SGLang
+          bucket as one flat uint8 tensor (SGLang's `FlattenedTensorBucket` layout: back to back, no padding; a
+          tensor whose offset would not be a multiple of its item size starts the next bucket), packed one tensor
+          at a time as the export makes it (`resharding/stream_pack.py`). One request per group in flight (SGLang
+          serves them in order of arrival); the next bucket is gathered and packed meanwhile. Owner, when every
+          stage is through: `/end_weight_update`, `/flush_cache`, `/update_weight_version {new_version,
+          abort_all_requests: false}`, `/continue_generation`.
+  check   mgrpo's guard in front of SGLang (`serving/sglang_guard.py`) checks each bucket's names and shapes
+          against the model before SGLang sees them, and refuses the version (poisoning the server: SGLang
           loads as it receives) unless every tensor came exactly once.
 """
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from mgrpo.resharding.bucket import DTYPES, dtype_name
-from mgrpo.resharding.export import stage_buckets, stage_senders
+from mgrpo.resharding.export import stage_senders, stage_tensors
+from mgrpo.resharding.stream_pack import StreamPacker
 from mgrpo.rollout.transports.base import WeightSyncError
 
 
@@ -65,34 +66,6 @@ class SenderGroup:
         self.pg = self.store = None
 
 
-def pack_flattened(items: list, out: torch.Tensor | None = None) -> tuple:
-    """(flat uint8 tensor, {names, dtypes, shapes}) in SGLang's FlattenedTensorBucket layout: tensors back to back,
-    no padding. Widest dtypes first: each tensor's byte size is a multiple of its item size, so every offset stays
-    aligned (SGLang refuses an unaligned one)."""
-    items = sorted(items, key=lambda it: -it[1].element_size())
-    total = sum(t.numel() * t.element_size() for _, t in items)
-    flat = out[:total] if out is not None and out.numel() >= total else torch.empty(total, dtype=torch.uint8)
-    off = 0
-    for _, t in items:
-        n = t.numel() * t.element_size()
-        flat[off: off + n].view(t.dtype).view(t.shape).copy_(t)
-        off += n
-    meta = {"names": [n for n, _ in items], "dtypes": [dtype_name(t.dtype) for _, t in items],
-            "shapes": [list(t.shape) for _, t in items]}
-    return flat, meta
-
-
-def unpack_flattened(flat: torch.Tensor, meta: dict) -> list:
-    """The inverse (what SGLang's `FlattenedTensorBucket.empty(...).reconstruct_tensors()` gives), for tests."""
-    out, off = [], 0
-    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
-        dt = DTYPES[dtype]
-        n = int(torch.Size(shape).numel()) * dt.itemsize
-        out.append((name, flat[off: off + n].view(dt).view(shape)))
-        off += n
-    return out
-
-
 PAUSE = ("/pause_generation", {"mode": "retract"})  # running requests go back to the queue; the cache may be flushed
 BEGIN, END, FLUSH, RESUME = (("/begin_weight_update", {}), ("/end_weight_update", {}), ("/flush_cache", {}),
                              ("/continue_generation", {}))
@@ -121,7 +94,7 @@ class SGLangCollectiveTransport:
                  backend: str | None = None, ca_file: str = ""):
         """engine: the SGLangEngine on the rank that owns it (global rank 0), None elsewhere. Every sender posts
         its own buckets' requests (with the owner's token and run headers, shared over the job's own group)."""
-        from mgrpo.rollout.engines.remote import tls_context
+        from mgrpo.rollout.control import tls_context
 
         self.engine, self.bucket_bytes, self.bind, self.timeout_s = engine, bucket_bytes, bind, timeout_s
         self.ssl = tls_context(ca_file)
@@ -131,6 +104,7 @@ class SGLangCollectiveTransport:
         self.stage = mpu.get_pipeline_model_parallel_rank()
         self.is_sender = dist.get_rank() in self.senders
         self.groups: dict = {}  # server name -> SenderGroup (on senders)
+        self.abandoned: list = []  # groups of failed servers, left to their timeouts
         self.buffers = [None, None]
 
     # -- the owner's control calls -------------------------------------------------------------------------------
@@ -260,7 +234,7 @@ class SGLangCollectiveTransport:
     def _broadcast(self, model_chunks: list, plan: dict, headers: dict, skip: set) -> dict:
         """This stage's buckets into every live server: one request and one broadcast per bucket and server. Every
         rank calls it (the stage's TP ranks take part in the gathers); only senders get buckets."""
-        from mgrpo.rollout.engines.remote import http_json
+        from mgrpo.rollout.control import http_json
 
         failed = {name: "skipped" for name in skip}
         stats = dict(bytes=0, buckets=0, export_s=0.0, transfer_s=0.0)
@@ -270,17 +244,13 @@ class SGLangCollectiveTransport:
         def settle(pending):
             for name, call, work in pending:
                 try:
+                    call.result()  # SGLang answers once it has the bucket, or refuses before it takes any
                     work.wait()
-                    call.result()
                 except Exception as exc:  # noqa: BLE001  (a server gone or refusing mid-update)
                     failed.setdefault(name, f"stage {self.stage}: {type(exc).__name__}: {exc}")
 
-        for items in stage_buckets(model_chunks, self.bucket_bytes):
-            slot = stats["buckets"] % 2
-            nbytes = sum(x.numel() * x.element_size() for _, x in items)
-            if self.buffers[slot] is None or self.buffers[slot].numel() < nbytes:
-                self.buffers[slot] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8)
-            flat, meta = pack_flattened(items, self.buffers[slot])
+        def emit(flat, meta):
+            nonlocal inflight, t
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             settle(inflight)  # one request per group in flight: SGLang takes them in order of arrival
@@ -296,14 +266,22 @@ class SGLangCollectiveTransport:
             stats["bytes"] += flat.numel()
             stats["buckets"] += 1
             t = time.perf_counter()
+
+        packer = StreamPacker(self.buffers, self.bucket_bytes, "flattened")
+        for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
+            if not packer.fits(tensor):
+                emit(*packer.take())
+            packer.add(name, tensor)
+        if len(packer):
+            emit(*packer.take())
         t = time.perf_counter()
         settle(inflight)
         stats["transfer_s"] += time.perf_counter() - t
         pool.shutdown(wait=False)
         for name in [n for n in failed if n not in skip]:
             group = self.groups.pop(name, None)
-            if group is not None:
-                group.close()
+            if group is not None:  # its broadcast may still wait for a peer that never takes it: not joined here
+                self.abandoned.append(group)
         return dict(stats, failed={n: why for n, why in failed.items() if n not in skip})
 
     def close(self) -> None:
