@@ -4,7 +4,7 @@ The collective senders (`rollout/transports/collective*.py`) used to collect a b
 then copy them into a flat buffer: a bucket of tensors, the flat buffer being filled and the one on the wire were
 alive at once. Here each full tensor is copied into the current buffer as soon as the export makes it and dropped,
 so a sender holds the two buffers (the one being filled, the one on the wire), the TP gather of the group in
-progress and one parameter's full tensors.
+progress and one parameter's full tensors. A tensor larger than a bucket goes alone, straight from its own memory.
 
 Two layouts: `aligned`, mgrpo's own (`bucket.pack_bucket`: ALIGN-byte offsets, zeroed padding, the manifest of
 `Bucket`), and `flattened`, SGLang's `FlattenedTensorBucket` (back to back, no padding: a tensor whose offset would
@@ -59,6 +59,23 @@ class StreamPacker:
             dst.view(t.dtype).view(t.shape).copy_(t)
         self.items.append((name, dtype_name(t.dtype), list(t.shape), off, n))
         self.end = off + n
+
+    def solo(self, t: torch.Tensor) -> bool:
+        """Whether `t` goes as a bucket of its own, straight from its memory: larger than a bucket and contiguous
+        (copying it into a buffer would grow that buffer to its size for good)."""
+        return t.numel() * t.element_size() > self.bucket_bytes and t.is_contiguous()
+
+    def take_solo(self, name: str, t: torch.Tensor, version: int = 0):
+        """A bucket of `t` alone whose bytes are `t`'s own (no copy; keep the bucket alive until it is sent). Call
+        `take()` first if the current bucket holds anything."""
+        assert not self.items, "take() the current bucket first"
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        meta = {"names": [name], "dtypes": [dtype_name(t.dtype)], "shapes": [list(t.shape)]}
+        self.index += 1
+        if self.layout == "flattened":
+            return flat, meta
+        return Bucket(flat, dict(version=version, index=self.index - 1, count=0, offsets=[0], nbytes=[flat.numel()],
+                                 sha256="", **meta))
 
     def __len__(self) -> int:
         return len(self.items)

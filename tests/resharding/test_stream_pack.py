@@ -69,3 +69,20 @@ def test_flattened_layout_is_sglangs_and_aligned():
         assert flat.numel() == off  # no padding
         got = dict(unpack_flattened(flat, meta))
         assert all(torch.equal(got[n], t) for n, t in items)
+
+
+def test_a_tensor_larger_than_a_bucket_goes_alone_from_its_own_memory():
+    big = torch.randn(200)
+    for layout in ("aligned", "flattened"):
+        packer = StreamPacker([None, None], 512, layout)
+        packer.add("small", torch.randn(4))
+        assert packer.solo(big) and not packer.solo(big[::2]) and not packer.solo(torch.randn(4))
+        first = packer.take()
+        out = packer.take_solo("big", big)
+        flat = out.flat if layout == "aligned" else out[0]
+        assert flat.data_ptr() == big.data_ptr() and flat.numel() == 800  # no copy
+        if layout == "aligned":
+            want = pack_bucket([("big", big)], 0, 1, checksum=False)
+            assert out.manifest == want.manifest and torch.equal(out.flat, want.flat)
+            assert first.manifest["index"] == 0
+        assert packer.buffers[1] is None  # no buffer grew to the big tensor's size

@@ -134,7 +134,7 @@ class CollectiveTransport:
     def _broadcast(self, model_chunks: list, version: int, failed: dict) -> dict:
         """This stage's buckets into every live group, double-buffered; every DP0/CP0 rank drives the gathers."""
         stats = dict(bytes=0, buckets=0, export_s=0.0, transfer_s=0.0)
-        inflight, t = [], time.perf_counter()
+        inflight, t, on_wire = [], time.perf_counter(), None
 
         def settle(pending):
             for group_name, works in pending:
@@ -145,12 +145,12 @@ class CollectiveTransport:
                     failed.setdefault(group_name, f"broadcast broke: {type(exc).__name__}: {exc}")
 
         def emit(bucket):
-            nonlocal inflight, t
+            nonlocal inflight, t, on_wire
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             started = self._start(failed, bucket)
             settle(inflight)  # the previous bucket; this one is on the wire while the next is gathered and packed
-            inflight = started
+            inflight, on_wire = started, bucket  # (a tensor sent alone from its own memory lives until then)
             stats["transfer_s"] += time.perf_counter() - t
             stats["bytes"] += bucket.flat.numel()
             stats["buckets"] += 1
@@ -158,8 +158,12 @@ class CollectiveTransport:
 
         packer = StreamPacker(self.buffers, self.bucket_bytes, "aligned")
         for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
-            if not packer.fits(tensor):
-                emit(packer.take(version))
+            if packer.solo(tensor) or not packer.fits(tensor):
+                if len(packer):
+                    emit(packer.take(version))
+            if packer.solo(tensor):
+                emit(packer.take_solo(name, tensor, version))
+                continue
             packer.add(name, tensor)
         if len(packer):
             emit(packer.take(version))

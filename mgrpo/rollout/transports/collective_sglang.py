@@ -239,7 +239,7 @@ class SGLangCollectiveTransport:
         failed = {name: "skipped" for name in skip}
         stats = dict(bytes=0, buckets=0, export_s=0.0, transfer_s=0.0)
         pool = ThreadPoolExecutor(max_workers=max(1, len(plan)))
-        inflight, t = [], time.perf_counter()
+        inflight, t, on_wire = [], time.perf_counter(), None
 
         def settle(pending):
             for name, call, work in pending:
@@ -250,11 +250,11 @@ class SGLangCollectiveTransport:
                     failed.setdefault(name, f"stage {self.stage}: {type(exc).__name__}: {exc}")
 
         def emit(flat, meta):
-            nonlocal inflight, t
+            nonlocal inflight, t, on_wire
             stats["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             settle(inflight)  # one request per group in flight: SGLang takes them in order of arrival
-            inflight = []
+            inflight, on_wire = [], flat  # (a tensor sent alone from its own memory lives until then)
             for name, group in self.groups.items():
                 if name in failed or name not in plan:
                     continue
@@ -269,8 +269,12 @@ class SGLangCollectiveTransport:
 
         packer = StreamPacker(self.buffers, self.bucket_bytes, "flattened")
         for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
-            if not packer.fits(tensor):
-                emit(*packer.take())
+            if packer.solo(tensor) or not packer.fits(tensor):
+                if len(packer):
+                    emit(*packer.take())
+            if packer.solo(tensor):
+                emit(*packer.take_solo(name, tensor))
+                continue
             packer.add(name, tensor)
         if len(packer):
             emit(*packer.take())
