@@ -5,8 +5,8 @@ tensors (`resharding/export.py::stage_tensors`) and broadcasts them, bucket by b
 server (`collective_group.py`); no rank ever holds more than its stage, and stages send at the same time. Each
 bucket is one flat buffer with its manifest, packed one tensor at a time as the export makes it
 (`resharding/stream_pack.py`); the next bucket is gathered and packed while the current one is on the wire (two
-buffers, the gather in progress and one parameter's full tensors alive at most). The server checks every bucket against the model and the whole set for
-completeness before it loads anything (`serving/collective_receiver.py`).
+buffers, the gather in progress and one parameter's full tensors alive at most). The server checks every bucket
+against the model and the whole set for completeness before it loads anything (`serving/collective_receiver.py`).
 
 Control stays on HTTP, driven by the rank that owns the engine (global rank 0): it opens groups on the servers
 that have none (`POST /mgrpo/collective/open`: address, port and a one-time nonce come back, nothing listened
