@@ -93,3 +93,17 @@ class StreamPacker:
             out = (flat, {"names": names, "dtypes": dtypes, "shapes": shapes})
         self.items, self.end, self.slot, self.index = [], 0, 1 - self.slot, self.index + 1
         return out
+
+
+def pack_stream(named_tensors, packer: StreamPacker, version: int = 0):
+    """The buckets of a (name, tensor) stream, each yielded as soon as it is complete. The caller must be done with
+    the bucket before last when it asks for the next one (its buffer is then filled again)."""
+    for name, t in named_tensors:
+        if (packer.solo(t) or not packer.fits(t)) and len(packer):
+            yield packer.take(version)
+        if packer.solo(t):
+            yield packer.take_solo(name, t, version)
+        else:
+            packer.add(name, t)
+    if len(packer):
+        yield packer.take(version)

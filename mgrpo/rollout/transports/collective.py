@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.resharding.export import stage_senders, stage_tensors
-from mgrpo.resharding.stream_pack import StreamPacker
+from mgrpo.resharding.stream_pack import StreamPacker, pack_stream
 from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.transports.collective_group import join_group, send_bucket, send_end
 
@@ -157,16 +157,8 @@ class CollectiveTransport:
             t = time.perf_counter()
 
         packer = StreamPacker(self.buffers, self.bucket_bytes, "aligned")
-        for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
-            if packer.solo(tensor) or not packer.fits(tensor):
-                if len(packer):
-                    emit(packer.take(version))
-            if packer.solo(tensor):
-                emit(packer.take_solo(name, tensor, version))
-                continue
-            packer.add(name, tensor)
-        if len(packer):
-            emit(packer.take(version))
+        for bucket in pack_stream(stage_tensors(model_chunks, self.bucket_bytes), packer, version):
+            emit(bucket)
         if self.is_sender:
             t = time.perf_counter()
             settle(inflight)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from mgrpo.resharding.export import stage_senders, stage_tensors
-from mgrpo.resharding.stream_pack import StreamPacker
+from mgrpo.resharding.stream_pack import StreamPacker, pack_stream
 from mgrpo.rollout.transports.base import WeightSyncError
 
 
@@ -135,7 +135,7 @@ class SGLangCollectiveTransport:
         plan, headers = shared["plan"], shared["headers"]
         failed: dict = {}
         ports = share_json(self._host(plan) if self.is_sender else {}, self.senders)
-        opening = self._open(plan, ports, failed) if self.engine else None
+        opening = self._open(plan, ports) if self.engine else None
         if self.is_sender:
             self._join(plan, failed)
         if opening is not None:
@@ -146,7 +146,8 @@ class SGLangCollectiveTransport:
             self._each(live, *PAUSE, failed)
             self._each(live, *BEGIN, failed)
         go = share_json(sorted(failed) if self.engine else [], [0])[0]
-        sent = self._broadcast(model_chunks, plan, headers, set(go))  # every rank: the TP gathers need them all
+        # every rank: the TP gathers need them all; a sender's own join failures go into its report
+        sent = self._broadcast(model_chunks, plan, headers, set(go), failed if self.is_sender else {})
         reports = share_json(sent if self.is_sender else {}, self.senders)
         if not self.engine:
             return None
@@ -181,7 +182,7 @@ class SGLangCollectiveTransport:
                     transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
                     total_s=time.perf_counter() - t0)
 
-    def _open(self, plan: dict, ports: list, failed: dict):
+    def _open(self, plan: dict, ports: list):
         """Ask every server with new groups to join them (in threads: each call returns once the sender joined
         too). Returns a callable that waits for the answers: {server: why} for those that failed."""
         pool = ThreadPoolExecutor(max_workers=max(1, sum(1 for p in plan.values() if p["new"]) * len(ports)))
@@ -230,13 +231,14 @@ class SGLangCollectiveTransport:
                     group.join(1 + p["workers"])
                 except Exception as exc:  # noqa: BLE001
                     failed[name] = f"sender of stage {self.stage} could not join: {type(exc).__name__}: {exc}"
+                    self.abandoned.append(self.groups.pop(name))  # never broadcast into a group not formed
 
-    def _broadcast(self, model_chunks: list, plan: dict, headers: dict, skip: set) -> dict:
+    def _broadcast(self, model_chunks: list, plan: dict, headers: dict, skip: set, broken: dict) -> dict:
         """This stage's buckets into every live server: one request and one broadcast per bucket and server. Every
         rank calls it (the stage's TP ranks take part in the gathers); only senders get buckets."""
         from mgrpo.rollout.control import http_json
 
-        failed = {name: "skipped" for name in skip}
+        failed = dict({name: "skipped" for name in skip}, **broken)
         stats = dict(bytes=0, buckets=0, export_s=0.0, transfer_s=0.0)
         pool = ThreadPoolExecutor(max_workers=max(1, len(plan)))
         inflight, t, on_wire = [], time.perf_counter(), None
@@ -268,16 +270,8 @@ class SGLangCollectiveTransport:
             t = time.perf_counter()
 
         packer = StreamPacker(self.buffers, self.bucket_bytes, "flattened")
-        for name, tensor in stage_tensors(model_chunks, self.bucket_bytes):
-            if packer.solo(tensor) or not packer.fits(tensor):
-                if len(packer):
-                    emit(*packer.take())
-            if packer.solo(tensor):
-                emit(*packer.take_solo(name, tensor))
-                continue
-            packer.add(name, tensor)
-        if len(packer):
-            emit(*packer.take())
+        for flat, meta in pack_stream(stage_tensors(model_chunks, self.bucket_bytes), packer):
+            emit(flat, meta)
         t = time.perf_counter()
         settle(inflight)
         stats["transfer_s"] += time.perf_counter() - t
