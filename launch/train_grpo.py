@@ -51,7 +51,8 @@ def prepare_tiny_model(cfg, rank: int) -> None:
             make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
                          num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
                          ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"],
-                         seed=t["seed"])
+                         seed=t["seed"], num_experts=t["num_experts"], experts_per_token=t["experts_per_token"],
+                         moe_ffn_hidden_size=t["moe_ffn_hidden_size"])
         if w is not None:
             from mgrpo.models.warm_start import held_out_pairs, warm_start
 

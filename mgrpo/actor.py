@@ -7,6 +7,8 @@ the summed gradient is the single-device gradient of the whole batch's loss.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state as mpu
 
@@ -23,7 +25,7 @@ class Actor:
     def __init__(self, cfg, model_dir: str, train: bool = True):
         self.cfg = cfg
         chunks = build_model(model_dir, cfg.parallel, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                             seed=cfg.train.seed)
+                             seed=cfg.train.seed, moe=cfg.model.moe)
         load_hf(chunks, model_dir)
         self.info = chunks[0].mgrpo_info
         self.config = chunks[0].config
@@ -34,6 +36,13 @@ class Actor:
             from mgrpo.parallel.context_parallel import cp_seq_sum
 
             self.seq_sum = cp_seq_sum(mpu.get_context_parallel_group())
+        self.router_stats = None  # tokens per expert and the balancing loss of a MoE policy's training forward
+        if self.info.moe is not None:
+            from mgrpo.models.router_stats import RouterStats
+
+            m = self.info.moe
+            self.router_stats = RouterStats(chunks, self.info.num_hidden_layers, m.num_experts, m.topk,
+                                            bool(cfg.parallel.sp))
         if train:
             self._wrap_for_training()
 
@@ -151,7 +160,8 @@ class Actor:
 
         A step whose gradients are not finite on some rank is skipped on every rank: weights, Adam's moments
         and step count stay as they were (`update_ok` False, `skipped_steps` counts them)."""
-        stats = self.forward_backward(microbatches)
+        with self.router_stats.collect() if self.router_stats else contextlib.nullcontext():
+            stats = self.forward_backward(microbatches)
         if self.grads_finite():
             lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this update uses
             ok, grad_norm, _ = self.optimizer.step()
@@ -165,6 +175,8 @@ class Actor:
             self.optimizer.zero_grad()
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
                "skipped_steps": self.skipped_steps, "lr": lr}
+        if self.router_stats is not None:
+            out.update(self.router_stats.reduce())
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:

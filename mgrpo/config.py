@@ -49,7 +49,19 @@ class TinyModelConfig:
     ffn_hidden_size: int = 256
     tie_word_embeddings: bool = False
     seed: int = 0
+    num_experts: int = 8  # qwen3_moe only: experts per MoE layer, experts per token, and each expert's width
+    experts_per_token: int = 2
+    moe_ffn_hidden_size: int = 64
     warm_start: Optional[WarmStartConfig] = None  # e.g. {steps: 350}: supervised addition before RL
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts options (used only when the model has experts)."""
+    aux_loss_coeff: float = 0.0  # megatron's load-balancing loss in the training loss; 0 = off (RL default)
+    z_loss_coeff: float = 0.0  # router z-loss; 0 = off
+    token_dispatcher: str = "auto"  # auto (= alltoall) | alltoall | allgather (needs equal tokens per EP rank)
+    grouped_gemm: bool = False  # megatron's grouped-GEMM experts (GPU with TransformerEngine) instead of a loop
 
 
 @dataclass
@@ -58,6 +70,7 @@ class ModelConfig:
     tiny: Optional[TinyModelConfig] = None  # if set, a tiny model is written to `path` when it is missing
     make_vocab_size_divisible_by: int = 128
     params_dtype: str = "float32"  # float32 | bfloat16
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 @dataclass
@@ -442,10 +455,6 @@ def validate(cfg: Config) -> list[str]:
     return e
 
 
-
-
-
-
 def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> list[str]:
     """Checks that need the HF config.json and the world size, still before any process group."""
     e = []
@@ -458,10 +467,10 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
     if model_info.num_hidden_layers % chunks:
         e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
                  f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it")
-    if p.ep > 1:
+    if p.ep > 1 or model_info.moe is not None:
         from mgrpo.config_checks import expert_layout_problems
 
-        e += expert_layout_problems(p, model_info, cfg.model.path, world_size)
+        e += expert_layout_problems(p, cfg.model.moe, model_info, cfg.model.path, world_size)
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
         e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "

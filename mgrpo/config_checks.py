@@ -254,8 +254,9 @@ def check_rewards(rw) -> list:
     return e
 
 
-def expert_layout_problems(p, model_info, model_path: str, world_size: int) -> list:
-    """--ep > 1, checked as megatron-core 0.16 would check it at initialize_model_parallel, before any group."""
+def expert_layout_problems(p, moe, model_info, model_path: str, world_size: int) -> list:
+    """A mixture-of-experts layout (or --ep > 1), checked as megatron-core 0.16 would check it at
+    initialize_model_parallel and at the MoE layer's build, before any group exists."""
     experts = model_info.num_experts
     if not experts:
         return [f"parallel.ep={p.ep} needs a mixture-of-experts model; {model_path} ({model_info.architecture}) has "
@@ -267,4 +268,12 @@ def expert_layout_problems(p, model_info, model_path: str, world_size: int) -> l
     if world_size % (etp * p.ep * p.pp):
         e.append(f"world size {world_size} is not divisible by expert-tp x ep x pp = {etp} x {p.ep} x {p.pp}; "
                  f"launch a multiple of {etp * p.ep * p.pp} processes or lower --ep")
+    if p.tp > 1 and not p.sp:
+        e.append(f"parallel.sp=false with parallel.tp={p.tp} on a mixture-of-experts model: megatron requires "
+                 f"sequence parallelism with MoE and TP; add --sp")
+    if moe.token_dispatcher not in ("auto", "alltoall", "allgather"):
+        e.append(f"model.moe.token_dispatcher={moe.token_dispatcher!r}: use auto, alltoall or allgather")
+    for name in ("aux_loss_coeff", "z_loss_coeff"):
+        if getattr(moe, name) < 0:
+            e.append(f"model.moe.{name}={getattr(moe, name)} is negative; use 0 (off) or a positive weight")
     return e

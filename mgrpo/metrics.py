@@ -89,6 +89,7 @@ def update_metrics(cfg, out: dict) -> dict:
     metrics = {_ACTOR.get(k, "actor/" + k if k == "ratio_mean" else k): v for k, v in reduced.items()}
     metrics.update({"actor/grad_norm": out["grad_norm"], "actor/lr": out.get("lr", 0.0),
                     "actor/skipped_steps": out["skipped_steps"]})
+    metrics.update({k: v for k, v in out.items() if k.startswith("moe/")})  # reduced over all ranks already
     return metrics
 
 

@@ -29,6 +29,12 @@ LAUNCHES = {
         "tp2-cp2", "dp2-cp2", "pp2-cp2", "tp2-cp2-loss_gspo", "dp2-cp2-loss_gspo", "pp2-cp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
 }
+# Qwen3-MoE (8 experts, top-2, a dense layer among sparse ones): EP2 (DP2), TP2xEP2 (SP: megatron needs it with
+# MoE and TP), PP2xEP2, DP4xEP2 (expert-data-parallel 2), CP2xEP2; ep2-swapexperts is the negative control.
+MOE_LAUNCHES = {
+    2: ["ep2", "ep2-swapexperts", "roundtrip:ep2"],
+    4: ["tp2-ep2-sp", "pp2-ep2", "dp4-ep2", "cp2-ep2", "roundtrip:tp2-ep2-sp", "initexport:tp2-ep2-sp"],
+}
 LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo", "loss_sapo"]  # TP1 refs in-process
 
 
@@ -37,8 +43,9 @@ class Results(str):
     model_dir: str
 
 
-def make_samples(model_dir):
-    """8 samples, prompts of 5..19 and responses of 3..27 tokens, old logprobs = TP1 logprobs + noise."""
+def make_samples(model_dir, accept=None):
+    """8 samples, prompts of 5..19 and responses of 3..27 tokens, old logprobs = TP1 logprobs + noise. `accept(ids)`
+    rejects a drawn sample, which is drawn again (the MoE matrix keeps only samples without router ties)."""
     from mgrpo.actor import Actor
     from mgrpo.data.microbatch import make_microbatches
 
@@ -46,11 +53,15 @@ def make_samples(model_dir):
     samples = []
     for i in range(8):
         p, r = 5 + (i * 5) % 15, 3 + (i * 7) % 25
-        resp = torch.randint(3, 300, (r,), generator=g).tolist()
+        while True:
+            prompt = torch.randint(3, 300, (p,), generator=g).tolist()
+            resp = torch.randint(3, 300, (r,), generator=g).tolist()
+            if accept is None or accept(prompt + resp):
+                break
         mask = [1] * r
         if i % 3 == 0:
             mask[r // 2] = 0  # an environment-written token inside the response
-        samples.append(Sample(prompt_ids=torch.randint(3, 300, (p,), generator=g).tolist(), response_ids=resp,
+        samples.append(Sample(prompt_ids=prompt, response_ids=resp,
                               loss_mask=mask, group_id=i // 4,
                               info={"advantage": float(torch.randn((), generator=g))}))
     cfg = load_config(argv=["--model.path", model_dir, "--data.path", "unused.jsonl"], check_files=False)
@@ -88,19 +99,72 @@ def run_all_launches(tiny_dirs, tmp_path_factory):
     for k in (2, 4):  # the first of k mini-batches: its own samples, its own aggregation counts
         run_layout(ref_cfg, model, samples[: len(samples) // k], str(out), f"tp1-mb{k}")
     run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
-    logs = {}
-    for world, layouts in LAUNCHES.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", WORKER, "--model", model,
-               "--samples", str(path), "--out", str(out), "--layouts", ",".join(layouts)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-        logs[world] = r
-        assert r.returncode == 0, f"world {world} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    _launch_all(LAUNCHES, model, path, out)
     res = Results(str(out))
     res.model_dir = model
     return res
 
 
+
+
+def _launch_all(launches: dict, model: str, samples_path, out) -> None:
+    for world, layouts in launches.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={free_port()}", WORKER, "--model", model,
+               "--samples", str(samples_path), "--out", str(out), "--layouts", ",".join(layouts)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+        assert r.returncode == 0, f"world {world} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+def moe_model(tiny_dirs):
+    """The layout matrix's MoE: 4 layers, layer 2 dense (mlp_only_layers), 8 experts, top-2."""
+    return tiny_dirs("layout_qwen3_moe", family="qwen3_moe", vocab_size=300, num_layers=4, mlp_only_layers=(2,),
+                     seed=3)
+
+
+MIN_ROUTER_GAP = 1e-4  # between the k-th and (k+1)-th expert's score; fp32 noise between layouts is ~1e-7
+
+
+def router_gap(model, ids: list) -> float:
+    """The smallest gap between the k-th and (k+1)-th router probability over every token and MoE layer of one
+    sequence, by HF's own forward (`model` an HF Qwen3-MoE)."""
+    gaps = []
+
+    def hook(module, args, out):
+        top = torch.softmax(out[0].float(), -1).topk(module.top_k + 1, -1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
+
+
+def run_moe_launches(tiny_dirs, tmp_path_factory):
+    """The MoE layouts against the EP1 (TP1) run in this process, plus the HF -> megatron -> HF round trips. Samples
+    whose routing has a near-tie (top-k gap below MIN_ROUTER_GAP) are drawn again, so no layout's float noise can
+    flip an expert choice."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("moe_layouts")
+    model = moe_model(tiny_dirs)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    samples = make_samples(model, accept=lambda ids: router_gap(hf, ids) > MIN_ROUTER_GAP)
+    path = out / "samples.json"
+    path.write_bytes(samples_to_bytes(samples))
+    ref_cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
+                                "--train.adam_eps", "0.001", "--train.micro_batch_size", "2"])
+    run_layout(ref_cfg, model, samples, str(out), "tp1")
+    run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
+    _launch_all(MOE_LAUNCHES, model, path, out)
+    res = Results(str(out))
+    res.model_dir = model
+    res.samples = samples
+    return res

@@ -16,7 +16,7 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "has_rollout", "token_weight",
-            "position_ids")
+            "position_ids", "valid")
 
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
@@ -50,8 +50,10 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
         rollout_logp = torch.zeros(b, length)
         has_rollout = torch.zeros(b, length)  # 1 where the engine gave a logprob; never read rollout_logp elsewhere
         weight = torch.zeros(b, length, dtype=torch.float64)
+        valid = torch.zeros(b, length, dtype=torch.bool)  # real tokens (prompt and response), not padding
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
+            valid[i, : len(seq)] = True
             r = len(s.response_ids)
             if r:  # logits at position p + j - 1 predict response token j
                 span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + r)
@@ -70,7 +72,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
             "rollout_logp": rollout_logp, "has_rollout": has_rollout, "token_weight": weight.float(),
             "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
-            "sample_index": list(range(start, start + b)), "cp_size": cp_size,
+            "sample_index": list(range(start, start + b)), "cp_size": cp_size, "valid": valid,
         }
         if cp_size > 1:
             from mgrpo.parallel.context_parallel import split_for_cp

@@ -31,7 +31,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32", **overrides):
+def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32", moe=None, **overrides):
+    """`moe` (config's MoeConfig; None: defaults) applies only to a model with experts."""
     from megatron.core.transformer import TransformerConfig
 
     family = get_family(info.family)
@@ -53,21 +54,44 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         variable_seq_lengths=False,  # PP micro-batches share one length (see data/microbatch.py)
         batch_p2p_comm=(on_cuda() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
+    if info.moe is not None:
+        from mgrpo.models.qwen3_moe import megatron_moe_kwargs
+
+        o = moe or _default_moe()
+        kwargs.update(megatron_moe_kwargs(info.moe, parallel.ep, o.aux_loss_coeff, o.z_loss_coeff,
+                                          o.token_dispatcher, o.grouped_gemm))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(config, use_te: Optional[bool] = None):
-    """TE spec where TransformerEngine imports (GPU); local spec with SP-capable RMSNorm otherwise."""
+def _default_moe():
+    from mgrpo.config import MoeConfig
+
+    return MoeConfig()
+
+
+def _without_te_moe_gemm() -> None:
+    """megatron-core 0.16.1's router GEMM tests `te_general_gemm is not None`, a name its moe_utils defines only
+    when TransformerEngine imports (NameError otherwise): define it as absent so the router takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False):
+    """TE spec where TransformerEngine imports (GPU); local spec with SP-capable RMSNorm otherwise. `experts`: the
+    MLP is megatron's MoE layer (config.num_moe_experts experts; a loop of experts unless moe_grouped_gemm)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = have_transformer_engine()
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm) if experts else {}
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from mgrpo.models.norm import QKRMSNorm, SPRMSNorm
 
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **moe)
     sub = spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
@@ -133,27 +157,40 @@ def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _block_spec(config, spec, vp_stage):
+def _block_spec(config, info: ModelInfo, vp_stage):
+    """This chunk's layer specs: the MoE layer where info.moe says a layer is sparse, the dense one elsewhere."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    if have_transformer_engine():
-        return spec  # TE's spec brings its own final norm
+    use_te = have_transformer_engine()
+    dense = add_hf_biases(layer_spec(config, use_te), info)
+    if info.moe is None and use_te:
+        return dense  # TE's spec brings its own final norm
+    sparse = layer_spec(config, use_te, experts=True) if info.moe is not None else None
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    specs = [sparse if info.moe is not None and info.moe.sparse_layers[first + i] else dense for i in range(n)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
     from mgrpo.models.norm import SPRMSNorm
 
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=SPRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SPRMSNorm)
 
 
 def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "float32",
                 make_vocab_size_divisible_by: int = 128, config_overrides: Optional[dict] = None,
-                seed: int = 1234) -> list:
-    """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first."""
+                seed: int = 1234, moe=None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first. `moe`: the
+    config's MoeConfig (a model with experts only)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
     info = read_model_info(model) if isinstance(model, str) else model
-    config = transformer_config(info, parallel, params_dtype, **(config_overrides or {}))
-    spec = add_hf_biases(layer_spec(config), info)
+    config = transformer_config(info, parallel, params_dtype, moe=moe, **(config_overrides or {}))
+    if info.moe is not None:
+        _without_te_moe_gemm()
     vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
     vocab = padded_vocab_size(info.vocab_size, make_vocab_size_divisible_by, parallel.tp)
     torch.manual_seed(seed + mpu.get_pipeline_model_parallel_rank())
@@ -161,7 +198,7 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
-            config=config, transformer_layer_spec=_block_spec(config, spec, stage), vocab_size=vocab,
+            config=config, transformer_layer_spec=_block_spec(config, info, stage), vocab_size=vocab,
             max_sequence_length=info.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

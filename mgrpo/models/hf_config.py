@@ -5,7 +5,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from mgrpo.models.registry import ModelConfigError, family_for_architecture
+from typing import Optional
+
+from mgrpo.models.registry import ModelConfigError, MoeSpec, family_for_architecture
 
 
 @dataclass
@@ -36,13 +38,13 @@ class ModelInfo:
     rope: RopeSpec = field(default_factory=RopeSpec)
     o_proj_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # biases on gate/up/down (Llama mlp_bias)
+    moe: Optional[MoeSpec] = None  # the experts of a mixture-of-experts family; None: every MLP is dense
     raw: dict = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:
-        """Routed experts per MoE layer (HF's num_experts / num_local_experts / n_routed_experts); 0 = dense."""
-        r = self.raw
-        return int(r.get("num_experts") or r.get("num_local_experts") or r.get("n_routed_experts") or 0)
+        """Routed experts per MoE layer; 0 = dense."""
+        return self.moe.num_experts if self.moe is not None else 0
 
 
 def _rope(raw: dict, path: str) -> RopeSpec:
@@ -96,4 +98,4 @@ def read_model_info(model_dir: str) -> ModelInfo:
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=biases.qkv, o_proj_bias=biases.o_proj, mlp_bias=biases.mlp,
-        rope=_rope(raw, path), raw=raw)
+        rope=_rope(raw, path), moe=family.moe(raw) if family.moe else None, raw=raw)

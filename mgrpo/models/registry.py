@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 
 class ModelConfigError(ValueError):
@@ -19,6 +19,16 @@ class Biases:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP as HF computes it (read from config.json by the family's `moe` parser)."""
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per expert
+    norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to 1
+    sparse_layers: tuple  # per layer: True where the MLP is the MoE block, False where it is a dense MLP
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     architectures: tuple
@@ -26,6 +36,7 @@ class Family:
     # (Qwen2 ignores attention_bias; Llama/Qwen3 put it on o_proj too), so each family states its own rule.
     biases: Callable[[dict], Biases]
     qk_layernorm: bool  # Qwen3 normalises q and k per head
+    moe: Optional[Callable[[dict], MoeSpec]] = None  # config.json -> the experts (None: a dense family)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -51,4 +62,4 @@ def family_for_architecture(arch: str, where: str = "config.json") -> Family:
 
 
 def _load_builtin() -> None:
-    from mgrpo.models import llama, qwen2, qwen3  # noqa: F401  (each registers itself)
+    from mgrpo.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (each registers itself)

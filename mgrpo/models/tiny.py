@@ -33,7 +33,9 @@ _CORPUS = [
     "what is the answer? the answer is 42. think step by step.", "hello world! how are you today?",
 ] * 20
 
-_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
+ROUTER_STD = 0.5  # a router this spread leaves clear gaps between the k-th and the next expert
 
 
 def train_tokenizer(vocab_size: int):
@@ -54,8 +56,13 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
                  tie_word_embeddings: bool = False, rope_scaling: Optional[dict] = None, seed: int = 0,
                  max_position_embeddings: int = 4096, rope_theta: float = 10000.0, dtype: str = "float32",
                  attention_bias: Optional[bool] = None, mlp_bias: bool = False,
-                 config_overrides: Optional[dict] = None, chat_template: str = "plain") -> str:
+                 config_overrides: Optional[dict] = None, chat_template: str = "plain", num_experts: int = 8,
+                 experts_per_token: int = 2, moe_ffn_hidden_size: int = 64, mlp_only_layers: tuple = (),
+                 norm_topk_prob: bool = True) -> str:
     """Write config.json, model.safetensors and tokenizer files to out_dir (atomically) and return it.
+
+    qwen3_moe takes num_experts, experts_per_token, moe_ffn_hidden_size, mlp_only_layers (dense layers) and
+    norm_topk_prob; its router weights are drawn with std ROUTER_STD (HF's 0.02 would leave near-ties).
 
     attention_bias (None: the family's default) and mlp_bias (Llama only) go to the HF config, so HF builds
     the biases; config_overrides are written into config.json after saving, e.g. {"attention_bias": None}
@@ -82,8 +89,12 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
     if rope_scaling:
         rope = dict(rope_scaling, rope_theta=rope_theta)
     kwargs["rope_parameters"] = rope
-    if family in ("qwen3",):
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = head_dim
+    if family == "qwen3_moe":
+        kwargs.update(num_experts=num_experts, num_experts_per_tok=experts_per_token, decoder_sparse_step=1,
+                      moe_intermediate_size=moe_ffn_hidden_size, mlp_only_layers=list(mlp_only_layers),
+                      norm_topk_prob=norm_topk_prob)
     if family == "llama":
         kwargs["head_dim"] = head_dim
         kwargs["mlp_bias"] = mlp_bias
@@ -98,6 +109,8 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a MoE router
+                p.copy_(ROUTER_STD * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.02 * torch.randn_like(p))
     parent = os.path.dirname(os.path.abspath(out_dir))

@@ -19,9 +19,12 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
     Returns the per-micro-batch stats on the last pipeline stage ([] elsewhere). Sequence lengths may
     differ between micro-batches (config.variable_seq_lengths makes the p2p layer send shapes).
     """
+    from mgrpo.models.router_stats import tokens_of
+
     def step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
+        with tokens_of(mb.get("valid")):  # router metrics leave padding out
+            out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
         return out, functools.partial(loss_fn, mb)
 
     vpp = len(model_chunks) > 1

@@ -40,11 +40,13 @@ def _stage_params(model_chunks, select):
             yield select(param), mapping
 
 
-def _plan(params: list, bucket_bytes: int, tp: int) -> list:
+def _plan(params: list, bucket_bytes: int, tp: int, expert_size: int) -> list:
+    """Buckets of about bucket_bytes (full size) in module order; dense and expert parameters never share one (they
+    gather over different groups). The plan depends on shapes only, so every rank cuts the same buckets."""
     groups, cur, size = [], [], 0
     for local, mapping in params:
-        n = local.numel() * local.element_size() * tp
-        if cur and size + n > bucket_bytes:
+        n = local.numel() * local.element_size() * (expert_size if mapping.expert else tp)
+        if cur and (size + n > bucket_bytes or mapping.expert != cur[0][1].expert):
             groups.append(cur)
             cur, size = [], 0
         cur.append((local, mapping))
@@ -52,48 +54,58 @@ def _plan(params: list, bucket_bytes: int, tp: int) -> list:
     return groups + ([cur] if cur else [])
 
 
-def _gather_group(group: list, tp_group, tp: int):
-    """Full HF tensors of one bucket with one all-gather per dtype over TP; yielded one parameter at a time (a
-    consumer that copies each away holds the gathered shards and one parameter's full tensors, not the bucket's)."""
-    if tp == 1:
+def _full(mapping, parts: list, etp: int) -> dict:
+    """HF tensors from one parameter's gathered parts: its TP shards, or an expert slot's shards on every EP rank."""
+    return mapping.unshard_ep(parts, etp) if mapping.expert else mapping.unshard(parts)
+
+
+def _gather_group(group: list, pg, size: int, etp: int = 1):
+    """Full HF tensors of one bucket with one all-gather per dtype over `pg` (TP, or expert-TP x EP for experts);
+    yielded one parameter at a time (a consumer that copies each away holds the gathered shards and one parameter's
+    full tensors, not the bucket's)."""
+    if size == 1:
         for local, m in group:
-            yield from m.unshard([local]).items()
+            yield from _full(m, [local], etp).items()
         return
     parts_of = {}
     for dtype in {local.dtype for local, _ in group}:
         members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
         flat = torch.cat([local.reshape(-1) for _, local in members]) if len(members) > 1 else \
             members[0][1].reshape(-1)
-        gathered = torch.empty(tp, flat.numel(), dtype=dtype, device=flat.device)
-        if dist.get_backend(tp_group) == "nccl":
-            dist.all_gather_into_tensor(gathered.view(-1), flat.contiguous(), group=tp_group)
+        gathered = torch.empty(size, flat.numel(), dtype=dtype, device=flat.device)
+        if dist.get_backend(pg) == "nccl":
+            dist.all_gather_into_tensor(gathered.view(-1), flat.contiguous(), group=pg)
         else:  # gloo stages all_gather_into_tensor through one more full-size copy than this
-            dist.all_gather(list(gathered.unbind(0)), flat.contiguous(), group=tp_group)
+            dist.all_gather(list(gathered.unbind(0)), flat.contiguous(), group=pg)
         del flat
         off = 0
         for i, local in members:
-            parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(tp)]
+            parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(size)]
             off += local.numel()
         del gathered  # the parts keep it alive until the last of them is unsharded
     for i, (_, m) in enumerate(group):
-        yield from m.unshard(parts_of.pop(i)).items()
+        yield from _full(m, parts_of.pop(i), etp).items()
 
 
-def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
-    """(hf_name, full tensor) for this PP stage, gathered over TP; every TP rank of the stage must iterate.
+def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True,
+                    dense: bool = True, experts: bool = True):
+    """(hf_name, full tensor) for this PP stage: dense parameters gathered over TP, experts over expert-TP x EP
+    (every expert of the layer, named by its global index); every rank of those groups must iterate.
 
     `select(param)` picks what to gather: the value by default, e.g. `lambda p: p.main_grad` for gradients.
-    `coalesce=False` gathers parameter by parameter (the benchmark's baseline).
+    `coalesce=False` gathers parameter by parameter (the benchmark's baseline). `dense`/`experts`: which of the two
+    this rank takes part in (an EP peer outside the exporting replica joins only the experts' gathers).
     """
     select = select or (lambda p: p.detach())
     tp_group, tp = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
-    params = list(_stage_params(model_chunks, select))
-    if not coalesce:
-        for local, mapping in params:
-            yield from mapping.gather(local, tp_group).items()
-        return
-    for group in _plan(params, bucket_bytes, tp):
-        yield from _gather_group(group, tp_group, tp)
+    eg, esize = mpu.get_expert_tensor_and_model_parallel_group(), mpu.get_expert_tensor_and_model_parallel_world_size()
+    etp = mpu.get_expert_tensor_parallel_world_size()
+    params = [(local, m) for local, m in _stage_params(model_chunks, select)]
+    for group in ([p] for p in params) if not coalesce else _plan(params, bucket_bytes, tp, esize):
+        if group[0][1].expert and experts:
+            yield from _gather_group(group, eg, esize, etp)
+        elif not group[0][1].expert and dense:
+            yield from _gather_group(group, tp_group, tp)
 
 
 def _send_bucket(bucket: Bucket, dst: int) -> None:
@@ -136,32 +148,41 @@ def stage_senders() -> list:
             for stage in range(mpu.get_pipeline_model_parallel_world_size())]
 
 
-def stage_tensors(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """This PP stage's weights as (hf_name, full tensor), one parameter's at a time, on the stage's (DP0, TP0, CP0)
-    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 take part in the
-    gathers (TP groups of about `bucket_bytes`); every other rank returns at once."""
-    if mpu.get_data_parallel_rank() != 0 or mpu.get_context_parallel_rank() != 0:
+def _exporter_roles() -> tuple:
+    """(dense, experts): whether this rank takes part in its stage's export gathers. Dense: the DP0/CP0 ranks (TP
+    gathers). Experts: with EP > 1 the exporter's expert-data-parallel group 0 (its EP peers hold the other
+    experts, whatever their dense DP or CP rank); with EP = 1 the same ranks as dense."""
+    dense = mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+    if mpu.get_expert_model_parallel_world_size() == 1:
+        return dense, dense
+    return dense, mpu.get_expert_data_parallel_rank() == 0
+
+
+def _stage_stream(model_chunks: list, bucket_bytes: int):
+    """This stage's full tensors on its (DP0, TP0, CP0) rank; every other rank of the export gathers drains."""
+    dense, experts = _exporter_roles()
+    if not (dense or experts):
         return
-    stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes)
-    if mpu.get_tensor_model_parallel_rank() == 0:
+    stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, dense=dense, experts=experts)
+    if dense and mpu.get_tensor_model_parallel_rank() == 0:
         yield from stream
     else:
         for _ in stream:
             pass
 
 
+def stage_tensors(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """This PP stage's weights as (hf_name, full tensor), one parameter's at a time, on the stage's (DP0, TP0, CP0)
+    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 (and, with EP, the
+    exporter's EP peers) take part in the gathers (groups of about `bucket_bytes`); every other rank returns."""
+    yield from _stage_stream(model_chunks, bucket_bytes)
+
+
 def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """This PP stage's weights as full HF tensors in lists of about `bucket_bytes`, yielded on the stage's (DP0, TP0,
-    CP0) rank only; the stage's other TP ranks of DP0/CP0 take part in the gathers; every other rank returns at
-    once. Stages run at the same time and nothing crosses stages: no rank holds more than its stage's buckets."""
-    if mpu.get_data_parallel_rank() != 0 or mpu.get_context_parallel_rank() != 0:
-        return
-    stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes)
-    if mpu.get_tensor_model_parallel_rank() == 0:
-        yield from _buckets_of(stream, bucket_bytes)
-    else:
-        for _ in stream:
-            pass
+    CP0) rank only; the ranks of its gathers take part; every other rank returns at once. Stages run at the same
+    time and nothing crosses stages: no rank holds more than its stage's buckets."""
+    yield from _buckets_of(_stage_stream(model_chunks, bucket_bytes), bucket_bytes)
 
 
 def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
@@ -169,8 +190,9 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
     `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
     exports its own copy of the weights to its own destination at the same time (one engine per DP group); a
-    destination must belong to the replica it receives from. Tensors are views or fresh copies valid until
-    the caller asks for the next bucket's worth.
+    destination must belong to the replica it receives from. With expert parallelism a replica holds only its
+    share of the experts, so there is one destination. Tensors are views or fresh copies valid until the caller
+    asks for the next bucket's worth.
     """
     coords = _coords()
     me = dist.get_rank()
@@ -178,24 +200,31 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     for d, target in dsts.items():
         if int(coords[target, 2]) != d:
             raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
+    ep = mpu.get_expert_model_parallel_world_size()
+    if ep > 1 and len(dsts) > 1:
+        raise ValueError(f"export_hf: {len(dsts)} destinations, but with expert parallelism (EP={ep}) a data-parallel "
+                         f"replica holds only its share of the experts; export to one destination")
     my_dp = int(coords[me, 2])
-    if my_dp not in dsts:
+    expert_peer = ep > 1 and mpu.get_expert_data_parallel_rank() == 0
+    if my_dp not in dsts and not expert_peer:
         return
-    target = dsts[my_dp]
+    target = dsts.get(my_dp)
     for stage in range(mpu.get_pipeline_model_parallel_world_size()):
-        src = next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, my_dp, 0])
-        if coords[me, 0] == stage and coords[me, 3] == 0:
-            stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce)
+        src = next((r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, my_dp, 0]), None)
+        dense = target is not None and coords[me, 3] == 0
+        if coords[me, 0] == stage and (dense or expert_peer):
+            stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense,
+                                     experts=expert_peer if ep > 1 else dense)
             if me == src == target:
                 yield from stream
-            elif me == src:
+            elif me == src and dense:
                 for items in _buckets_of(stream, bucket_bytes):
                     _send_bucket(pack_bucket(items, 0, 0, checksum=False), target)
                 _send_bucket(pack_bucket([], 0, 0, checksum=False), target)  # end of this stage
             else:
-                for _ in stream:  # the other TP ranks take part in the gathers
+                for _ in stream:  # the other TP ranks (and EP peers) take part in the gathers
                     pass
-        if me == target and src != target:
+        if target is not None and me == target and src != target:
             while True:
                 bucket = _recv_bucket(src)
                 yield from bucket.tensors()

@@ -108,13 +108,14 @@ def load_hf(model_chunks: list, hf_dir: str) -> None:
     reader = SafetensorsReader(hf_dir)
     check_all_consumed(model_chunks, reader)
     rank, size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    etp = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     for chunk in model_chunks:
-        for name, param, mapping in chunk_mappings(chunk):
+        for name, param, mapping in chunk_mappings(chunk):  # an expert reads only its own expert's slices
             if mapping.hf_names == ("lm_head.weight",) and not reader.has("lm_head.weight"):
                 raise CheckpointError(f"{hf_dir}: 'lm_head.weight' missing but tie_word_embeddings is false; "
                                       f"set tie_word_embeddings=true in config.json or add the tensor")
             try:
-                shard = mapping.shard(reader, rank, size)
+                shard = mapping.shard(reader, *(etp if mapping.expert else (rank, size)))
             except CheckpointError:
                 raise
             except ValueError as exc:

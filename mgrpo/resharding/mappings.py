@@ -6,7 +6,7 @@ columns through a `TensorReader`), and its inverse: gather a full tensor set fro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,11 @@ def _rows(n: int, rank: int, size: int) -> slice:
 @dataclass
 class Mapping:
     hf_names: tuple
+    expert = False  # sharded over expert-TP and placed by expert parallelism (see Expert)
+
+    def all_hf_names(self) -> tuple:
+        """Every HF name this parameter stands for on any rank (an expert's differ between EP ranks)."""
+        return self.hf_names
 
     def shard(self, reader: TensorReader, rank: int, size: int) -> torch.Tensor:
         raise NotImplementedError
@@ -187,3 +192,36 @@ class GatedMLP(Mapping):
         halves = [p.chunk(2, dim=0) for p in parts]
         return {self.hf_names[0]: torch.cat([h[0] for h in halves], 0),
                 self.hf_names[1]: torch.cat([h[1] for h in halves], 0)}
+
+
+@dataclass
+class Expert(Mapping):
+    """One of this EP rank's local experts: megatron's local expert `local` on EP rank `ep_rank` is HF's global
+    expert `ep_rank * per_rank + local` (megatron places experts in contiguous blocks). `of(e)` is global expert e's
+    own mapping (GatedMLP for linear_fc1, Row for linear_fc2), sharded over the expert-TP group."""
+    of: Callable = None
+    local: int = 0
+    per_rank: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert = True
+
+    def __post_init__(self):
+        self.hf_names = self.of(self.ep_rank * self.per_rank + self.local).hf_names
+
+    def all_hf_names(self):
+        return tuple(n for r in range(self.ep_size) for n in self.of(r * self.per_rank + self.local).hf_names)
+
+    def shard(self, reader, rank, size):
+        return self.of(self.ep_rank * self.per_rank + self.local).shard(reader, rank, size)
+
+    def unshard(self, parts):
+        return self.of(self.ep_rank * self.per_rank + self.local).unshard(parts)
+
+    def unshard_ep(self, parts: list, etp: int) -> dict:
+        """Full HF tensors of this local slot on every EP rank, from parts in expert-TP-and-EP group order
+        (expert-TP rank fastest, as megatron's rank generator orders them)."""
+        out = {}
+        for r in range(len(parts) // etp):
+            out.update(self.of(r * self.per_rank + self.local).unshard(parts[r * etp:(r + 1) * etp]))
+        return out

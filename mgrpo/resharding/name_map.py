@@ -1,4 +1,5 @@
-"""Megatron parameter names -> HF names and mappings, for the Llama-like families (Qwen2, Qwen3, Llama).
+"""Megatron parameter names -> HF names and mappings, for the Llama-like families (Qwen2, Qwen3, Llama) and
+Qwen3-MoE (router and experts; megatron's expert loop `local_experts.{i}` or TE's grouped `weight{i}`).
 
 Both megatron's local spec and its TransformerEngine spec (which fuses the norms into the next linear)
 are covered. Layer indices are global: a chunk's local layer i is `layers[i].layer_number - 1`.
@@ -7,9 +8,45 @@ from __future__ import annotations
 
 import re
 
-from mgrpo.resharding.mappings import QKV, GatedMLP, Mapping, Replicated, Row, Vocab
+from mgrpo.resharding.mappings import QKV, Expert, GatedMLP, Mapping, Replicated, Row, Vocab
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+
+
+def _ep() -> tuple:
+    """(rank, size) of expert parallelism; (0, 1) before megatron's groups exist."""
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1
+    return mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+
+
+def _expert_mapping(suffix: str, g: int, info) -> Mapping | None:
+    m = _EXPERT.match(suffix)
+    if not m or info.moe is None:
+        return None
+    local, fc = (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
+    p = f"model.layers.{g}.mlp.experts."
+    if fc == "linear_fc1":
+        def of(e):
+            return GatedMLP((p + f"{e}.gate_proj.weight", p + f"{e}.up_proj.weight"))
+    else:
+        def of(e):
+            return Row((p + f"{e}.down_proj.weight",))
+    rank, size = _ep()
+    return Expert((), of=of, local=local, per_rank=info.moe.num_experts // size, ep_rank=rank, ep_size=size)
+
+
+def mlp_hf_names(g: int, info) -> set:
+    """HF names of layer g's MLP: the router and every expert where the layer is sparse, gate/up/down otherwise."""
+    p = f"model.layers.{g}.mlp."
+    if info.moe is not None and info.moe.sparse_layers[g]:
+        return {p + "gate.weight"} | {p + f"experts.{e}.{x}_proj.weight" for e in range(info.moe.num_experts)
+                                       for x in ("gate", "up", "down")}
+    kinds = ("weight", "bias") if info.mlp_bias else ("weight",)
+    return {p + f"{x}_proj.{k}" for x in ("gate", "up", "down") for k in kinds}
 
 
 def _layer_mapping(suffix: str, g: int, info) -> Mapping | None:
@@ -32,9 +69,10 @@ def _layer_mapping(suffix: str, g: int, info) -> Mapping | None:
         "mlp.linear_fc1.bias": lambda: GatedMLP((p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")),
         "mlp.linear_fc2.weight": lambda: Row((p + "mlp.down_proj.weight",)),
         "mlp.linear_fc2.bias": lambda: Replicated((p + "mlp.down_proj.bias",)),
+        "mlp.router.weight": lambda: Replicated((p + "mlp.gate.weight",)),
     }
     make = table.get(suffix)
-    return make() if make else None
+    return make() if make else _expert_mapping(suffix, g, info)
 
 
 def _global_mapping(name: str, info, padded_vocab: int) -> Mapping | None:
@@ -79,15 +117,16 @@ def consumed_hf_names(model_chunks) -> set:
     """Every HF tensor name the WHOLE model reads, on any PP stage, from this rank's chunks alone.
 
     A PP rank holds only some layers, so its own mappings cannot tell an unused checkpoint tensor from one
-    another stage reads. All decoder layers share one spec, so a local layer's parameter names, mapped at
-    every global layer index, give all layers' HF names; the embedding, final norm and (untied) lm_head are
-    read by the first or last stage, whichever stage this rank is.
+    another stage reads. All decoder layers share one attention spec, so a local layer's non-MLP parameter names,
+    mapped at every global layer index, give all layers' attention and norm names; the MLP's names (dense or
+    experts, layer by layer) come from config.json; the embedding, final norm and (untied) lm_head are read by
+    the first or last stage, whichever stage this rank is.
     """
     info = model_chunks[0].mgrpo_info
     layer = next((layer for chunk in model_chunks for layer in chunk.decoder.layers), None)
     if layer is None:
         raise RuntimeError("consumed_hf_names: this rank holds no decoder layer to take the layer layout from")
-    suffixes = [name for name, _ in layer.named_parameters()]
+    suffixes = [name for name, _ in layer.named_parameters() if not name.startswith("mlp.")]
     names = set()
     for name in _GLOBAL:  # a tied output layer maps to embed_tokens, so lm_head is then not consumed
         names.update(_global_mapping(name, info, 0).hf_names)
@@ -98,4 +137,6 @@ def consumed_hf_names(model_chunks) -> set:
                 raise KeyError(f"no HF mapping for megatron layer parameter {suffix!r} (family {info.family}); "
                                f"add it to mgrpo/resharding/name_map.py")
             names.update(mapping.hf_names)
+        names.add(f"model.layers.{g}.post_attention_layernorm.weight")  # TE fuses it into linear_fc1 (an mlp. name)
+        names |= mlp_hf_names(g, info)
     return names

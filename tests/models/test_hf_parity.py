@@ -26,6 +26,9 @@ CASES = {
     # HF Qwen2 has q/k/v biases whatever attention_bias says (null used to read as "no biases")
     "qwen2_attention_bias_null": dict(family="qwen2", vocab_size=300, config_overrides={"attention_bias": None}),
     "qwen3_attention_bias": dict(family="qwen3", vocab_size=300, attention_bias=True),
+    # 8 experts, top-2, renormalised top-k (Qwen3-30B-A3B's norm_topk_prob=true); one dense layer (mlp_only_layers)
+    "qwen3_moe": dict(family="qwen3_moe", vocab_size=300, num_layers=3, mlp_only_layers=(1,)),
+    "qwen3_moe_no_topk_norm": dict(family="qwen3_moe", vocab_size=300, norm_topk_prob=False, experts_per_token=3),
 }
 # The biases each bias case's checkpoint must hold (layer 1 shown), or its parity check proves nothing.
 BIASES = {

@@ -33,7 +33,7 @@ def layout_args(spec: str) -> list:
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
         elif part == "topent":  # the top-entropy token mask, 30% of the tokens
             args += ["--algorithm.top_entropy_quantile", "0.3"]
-        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq") or part.startswith("dp"):
+        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
@@ -56,6 +56,21 @@ def swap_proj_shards(actor):
     dist.all_gather(parts, w.detach().contiguous(), group=group)
     with torch.no_grad():
         w.copy_(parts[(mpu.get_tensor_model_parallel_rank() + 1) % len(parts)])
+
+
+def swap_ep_experts(actor):
+    """Negative control: every EP rank holds another EP rank's first expert of the first MoE layer."""
+    from megatron.core import parallel_state as mpu
+
+    from mgrpo.parallel.pipeline import unwrap
+
+    layers = [layer for c in actor.chunks for layer in unwrap(c).decoder.layers if hasattr(layer.mlp, "router")]
+    w = layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+    group = mpu.get_expert_model_parallel_group()
+    parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, w.detach().contiguous(), group=group)
+    with torch.no_grad():
+        w.copy_(parts[(mpu.get_expert_model_parallel_rank() + 1) % len(parts)])
 
 
 def per_rank_seq_sum(actor):
@@ -91,7 +106,7 @@ def main():
                                 "--train.lr", "0.01", "--train.adam_eps", "0.001", *flags], check_files=False)
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-        cfg.train.micro_batch_size = GLOBAL_BATCH // dp // MICRO_BATCHES
+        cfg.train.micro_batch_size = max(1, GLOBAL_BATCH // dp // MICRO_BATCHES)
         if mode == "roundtrip":
             run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"))
         elif mode in ("mb2", "mb4"):  # the first mini-batch of a generation batch split in 2 or 4
@@ -103,7 +118,7 @@ def main():
             run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
         else:
             corrupt = {"wrongshard": swap_proj_shards, "localseq": per_rank_seq_sum,
-                       "nozigzag": contiguous_cp_split}.get(spec.rpartition("-")[2])
+                       "nozigzag": contiguous_cp_split, "swapexperts": swap_ep_experts}.get(spec.rpartition("-")[2])
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
             gloo = False if "nogloo" in layout.split("-") else None  # megatron's groups as under nccl
             run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to, gloo_groups=gloo,

@@ -56,7 +56,10 @@ class HFEngine:
         self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
         self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
-        self._params = dict(self.model.named_parameters())  # a tied lm_head is not listed separately
+        from mgrpo.models.qwen3_moe import per_expert_views
+
+        # a tied lm_head is not listed separately; fused MoE experts are addressed one expert at a time
+        self._params = per_expert_views(dict(self.model.named_parameters()))
         self._expected = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in self._params.items()}
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._optional = ("lm_head.weight",) if tied and "lm_head.weight" not in self._params else ()
