@@ -30,10 +30,11 @@ LAUNCHES = {
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
 }
 # Qwen3-MoE (8 experts, top-2, a dense layer among sparse ones): EP2 (DP2), TP2xEP2 (SP: megatron needs it with
-# MoE and TP), PP2xEP2, DP4xEP2 (expert-data-parallel 2), CP2xEP2; ep2-swapexperts is the negative control.
+# MoE and TP; it also saves a checkpoint for the converter), PP2xEP2, DP4xEP2 (expert-data-parallel 2), CP2xEP2;
+# ep2-swapexperts is the negative control.
 MOE_LAUNCHES = {
     2: ["ep2", "ep2-swapexperts", "roundtrip:ep2"],
-    4: ["tp2-ep2-sp", "pp2-ep2", "dp4-ep2", "cp2-ep2", "roundtrip:tp2-ep2-sp", "initexport:tp2-ep2-sp"],
+    4: ["ckpt:tp2-ep2-sp", "pp2-ep2", "dp4-ep2", "cp2-ep2", "roundtrip:tp2-ep2-sp", "initexport:tp2-ep2-sp"],
 }
 LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo", "loss_sapo"]  # TP1 refs in-process
 
