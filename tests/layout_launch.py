@@ -34,7 +34,8 @@ LAUNCHES = {
 # ep2-swapexperts is the negative control.
 MOE_LAUNCHES = {
     2: ["ep2", "ep2-swapexperts", "roundtrip:ep2"],
-    4: ["ckpt:tp2-ep2-sp", "pp2-ep2", "dp4-ep2", "cp2-ep2", "roundtrip:tp2-ep2-sp", "initexport:tp2-ep2-sp"],
+    4: ["ckpt:tp2-ep2-sp", "pp2-ep2", "dp4-ep2", "cp2-ep2", "roundtrip:tp2-ep2-sp", "initexport:tp2-ep2-sp",
+        "roundtrip_per_dp:dp4-ep2"],
 }
 LOSS_VARIANTS = ["loss_grpo", "loss_dr_grpo", "loss_gspo", "loss_cispo", "loss_sapo"]  # TP1 refs in-process
 

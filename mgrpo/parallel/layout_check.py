@@ -104,26 +104,32 @@ def load_layout(out_dir: str, tag: str) -> dict:
     return merged
 
 
-def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str) -> None:
-    """HF -> megatron -> export_hf (64 KiB buckets, so many buckets and PP hand-offs) vs the HF files."""
+def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bool = False) -> None:
+    """HF -> megatron -> export_hf (64 KiB buckets, so many buckets and PP hand-offs) vs the HF files. `per_dp`:
+    every data-parallel replica exports to its own first rank at once (one engine per DP group); each checks."""
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.state import setup_model_parallel
+    from mgrpo.resharding.export import _coords
     from mgrpo.resharding.load import SafetensorsReader, load_hf
 
     setup_model_parallel(cfg.parallel, cfg.train.seed)
     chunks = build_model(model_dir, cfg.parallel)
     load_hf(chunks, model_dir)
+    coords = _coords()
+    dst = {d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
+           for d in range(mpu.get_data_parallel_world_size())} if per_dp else 0
     got = {}
-    for name, t in export_hf(chunks, dst=0, bucket_bytes=64 << 10):
+    for name, t in export_hf(chunks, dst=dst, bucket_bytes=64 << 10):
         got[name] = t.clone()
-    if dist.get_rank() == 0:
+    if dist.get_rank() in (dst.values() if per_dp else (0,)):
         reader = SafetensorsReader(model_dir)
         mismatched = [n for n in reader.where if n not in got or not torch.equal(got[n], reader.read(n))]
         extra = sorted(set(got) - set(reader.where))
         result = {"names": len(got), "mismatched": mismatched, "extra": extra,
                   "embed_rows": list(got["model.embed_tokens.weight"].shape),
                   "lm_head_rows": list(got["lm_head.weight"].shape) if "lm_head.weight" in got else None}
-        with open(os.path.join(out_dir, f"{tag}.roundtrip.json"), "w") as f:
+        suffix = f".rank{dist.get_rank()}" if per_dp else ""
+        with open(os.path.join(out_dir, f"{tag}{suffix}.roundtrip.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
 

@@ -23,9 +23,10 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def _coords() -> torch.Tensor:
-    """[world, 4] of (pp, tp, dp, cp) ranks."""
+    """[world, 5] of (pp, tp, dp, cp, expert-dp) ranks."""
     mine = torch.tensor([mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-                         mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank()])
+                         mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank(),
+                         mpu.get_expert_data_parallel_rank()])
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine, group=cpu_group())
     return torch.stack(out)
@@ -144,7 +145,7 @@ def _buckets_of(stream, bucket_bytes: int):
 def stage_senders() -> list:
     """Global ranks of each PP stage's (DP0, TP0, CP0) rank, by stage: the senders of `stage_buckets`."""
     coords = _coords()
-    return [next(r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, 0, 0])
+    return [next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, 0, 0])
             for stage in range(mpu.get_pipeline_model_parallel_world_size())]
 
 
@@ -189,42 +190,45 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 
     `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
-    exports its own copy of the weights to its own destination at the same time (one engine per DP group); a
-    destination must belong to the replica it receives from. With expert parallelism a replica holds only its
-    share of the experts, so there is one destination. Tensors are views or fresh copies valid until the caller
-    asks for the next bucket's worth.
+    exports its own copy of the weights to its own destination (one engine per DP group), at the same time, or
+    one replica after another with expert parallelism (an EP group spans replicas: each replica's export needs its
+    exporter's EP peers). A destination must belong to the replica it receives from. Tensors are views or fresh
+    copies valid until the caller asks for the next bucket's worth.
     """
     coords = _coords()
-    me = dist.get_rank()
     dsts = dst if isinstance(dst, dict) else {0: dst}
     for d, target in dsts.items():
         if int(coords[target, 2]) != d:
             raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
-    ep = mpu.get_expert_model_parallel_world_size()
-    if ep > 1 and len(dsts) > 1:
-        raise ValueError(f"export_hf: {len(dsts)} destinations, but with expert parallelism (EP={ep}) a data-parallel "
-                         f"replica holds only its share of the experts; export to one destination")
-    my_dp = int(coords[me, 2])
-    expert_peer = ep > 1 and mpu.get_expert_data_parallel_rank() == 0
-    if my_dp not in dsts and not expert_peer:
-        return
-    target = dsts.get(my_dp)
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        for d in sorted(dsts):
+            yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce)
+    elif int(coords[dist.get_rank(), 2]) in dsts:
+        d = int(coords[dist.get_rank(), 2])
+        yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce)
+
+
+def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int, coalesce: bool):
+    """Data-parallel replica d's weights to `target`, stage by stage: each stage's (d, TP0, CP0) rank gathers (with
+    its TP group; experts with the ranks of its expert-data-parallel rank) and sends its buckets to the target."""
+    me, ep = dist.get_rank(), mpu.get_expert_model_parallel_world_size()
     for stage in range(mpu.get_pipeline_model_parallel_world_size()):
-        src = next((r for r in range(len(coords)) if coords[r].tolist() == [stage, 0, my_dp, 0]), None)
-        dense = target is not None and coords[me, 3] == 0
-        if coords[me, 0] == stage and (dense or expert_peer):
+        src = next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, d, 0])
+        dense = int(coords[me, 2]) == d and int(coords[me, 3]) == 0
+        experts = int(coords[me, 4]) == int(coords[src, 4]) if ep > 1 else dense
+        if coords[me, 0] == stage and (dense or experts):
             stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense,
-                                     experts=expert_peer if ep > 1 else dense)
+                                     experts=experts)
             if me == src == target:
                 yield from stream
-            elif me == src and dense:
+            elif me == src:
                 for items in _buckets_of(stream, bucket_bytes):
                     _send_bucket(pack_bucket(items, 0, 0, checksum=False), target)
                 _send_bucket(pack_bucket([], 0, 0, checksum=False), target)  # end of this stage
             else:
                 for _ in stream:  # the other TP ranks (and EP peers) take part in the gathers
                     pass
-        if target is not None and me == target and src != target:
+        if me == target and src != target:
             while True:
                 bucket = _recv_bucket(src)
                 yield from bucket.tensors()

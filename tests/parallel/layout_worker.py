@@ -107,8 +107,8 @@ def main():
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.train.micro_batch_size = max(1, GLOBAL_BATCH // dp // MICRO_BATCHES)
-        if mode == "roundtrip":
-            run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"))
+        if mode in ("roundtrip", "roundtrip_per_dp"):
+            run_export_roundtrip(cfg, args.model, args.out, spec.replace(":", "-"), per_dp=mode == "roundtrip_per_dp")
         elif mode in ("mb2", "mb4"):  # the first mini-batch of a generation batch split in 2 or 4
             run_layout(cfg, args.model, samples[: len(samples) // int(mode[2:])], args.out, f"{mode}-{layout}")
         elif mode in ("nanstep", "nanstep_noguard"):

@@ -54,13 +54,17 @@ def test_inputs_have_no_router_ties(moe_results):
     assert gap > MIN_ROUTER_GAP
 
 
-@pytest.mark.parametrize("layout", ["tp1", "ep2", "tp2-ep2-sp"])
+@pytest.mark.parametrize("layout", ["tp1", "ep2", "tp2-ep2-sp", "per_dp-dp4-ep2.rank0", "per_dp-dp4-ep2.rank1",
+                                    "per_dp-dp4-ep2.rank2", "per_dp-dp4-ep2.rank3"])
 def test_moe_round_trip_is_bitwise(moe_results, layout):
-    """HF -> megatron (each rank reads only its own experts) -> export (experts gathered over EP) is bitwise."""
+    """HF -> megatron (each rank reads only its own experts) -> export (experts gathered over EP) is bitwise; also
+    with every DP replica exporting to its own rank (one engine per DP group): EP groups span replicas, so the
+    replicas export one after another."""
     import json
     import os
 
-    with open(os.path.join(moe_results, f"roundtrip-{layout}.roundtrip.json")) as f:
+    with open(os.path.join(moe_results, f"roundtrip{'_' if layout.startswith('per_dp') else '-'}{layout}"
+                                        f".roundtrip.json")) as f:
         r = json.load(f)
     assert r["mismatched"] == [] and r["extra"] == [], r
     # embed, final norm, lm_head; per layer 2 norms, q/k/v/o, q/k norms; 3 MoE layers: router + 8 x 3; 1 dense: 3
