@@ -1,18 +1,21 @@
 """`--print-plan`: what a launch would do, without loading weights or touching a GPU. The parallel layout (which
-global ranks form each TP/PP/DP/CP group, by megatron's own RankGenerator and order), the batch arithmetic,
-parameters per rank and a per-rank memory estimate, then exit 0.
+global ranks form each TP/PP/DP/CP group, and with experts each EP and expert-DP group, by megatron's own
+RankGenerators and order), the batch arithmetic, parameters per rank and a per-rank memory estimate, then exit 0.
 
 Parameters are counted on the model megatron itself builds for each pipeline stage, on the `meta` device, under
 torch's fake process group (every rank of a 16-rank plan in one process, in seconds). "Unique" parameters are the
 ones a rank is the owner of: its TP shard of sharded weights without vocabulary padding, replicated weights (norms)
 on TP rank 0 only, nothing on DP/CP replicas, nothing for a tied output layer's copy on the last stage; summed over
-ranks they equal the HF model's count.
+ranks they equal the HF model's count. Expert weights have their own owners: megatron replicates them over the
+expert-data-parallel group (world / (expert-TP x EP x PP) ranks, not DP x CP), so expert-DP rank 0 owns them; each
+EP rank holds (and owns) a different block of E / EP experts, and expert-TP shards them as TP shards dense weights.
 
 The memory estimate (`memory_estimate`) is per rank, in bytes: weights, gradients (megatron's fp32 grad buffer),
-Adam state (with and without the distributed optimizer), activations of the micro-batches a pipeline stage holds
-at once (1F1B) at the configured micro-batch and sequence length plus one layer's backward working set, the
-logits with the fused kernel, and a fixed runtime overhead. Checked against measured peak RSS on CPU by
-benchmarks/memory_plan.py (the working-set and overhead terms were added after its first run: calibrated there).
+Adam state (with and without the distributed optimizer, which shards expert state over expert-DP), activations of
+the micro-batches a pipeline stage holds at once (1F1B) at the configured micro-batch and sequence length plus one
+layer's backward working set (MoE layers: a rough estimate), the logits with the fused kernel, and a fixed runtime
+overhead. Checked against measured peak RSS on CPU by benchmarks/memory_plan.py (the working-set and overhead
+terms were added after its first run: calibrated there; dense models only).
 """
 from __future__ import annotations
 
@@ -32,21 +35,34 @@ class StageParams:
     tied_copy: int = 0  # the last stage's copy of a tied embedding (PP > 1)
     vocab_rows: list = field(default_factory=list)  # (local rows, hidden) of each vocab-parallel matrix
     layers: int = 0
+    layer_numbers: list = field(default_factory=list)  # megatron's 1-based global numbers of the layers built here
+    expert_held: int = 0  # expert weights on this rank (its E / EP experts, its expert-TP shard); part of `held`
+    expert_sharded: int = 0  # the expert-TP-sharded part of expert_held
+    expert_replicated: int = 0  # same on every expert-TP rank; counted once per expert-TP group
 
 
-def rank_groups(tp: int, pp: int, cp: int, dp: int) -> dict:
-    """{'tp'|'pp'|'dp'|'cp'|'dp-cp': [[global ranks], ...]} exactly as megatron's initialize_model_parallel forms
-    them (RankGenerator, order tp-cp-ep-dp-pp)."""
+def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> dict:
+    """{'tp'|'pp'|'dp'|'cp'|'dp-cp'|'ep'|'expert-tp'|'expert-dp': [[global ranks], ...]} exactly as megatron's
+    initialize_model_parallel forms them: one RankGenerator (order tp-cp-ep-dp-pp, ep=1) for the dense part, a
+    second for the experts (same order, cp=1, tp = expert-TP = TP, dp = expert-DP = world / (TP x EP x PP))."""
     from megatron.core.parallel_state import RankGenerator
 
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
-    return {k: gen.get_ranks(k) for k in ("tp", "pp", "dp", "cp", "dp-cp")}
+    order = "tp-cp-ep-dp-pp"
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    out = {k: gen.get_ranks(k) for k in ("tp", "pp", "dp", "cp", "dp-cp")}
+    expert = RankGenerator(tp=tp, ep=ep, dp=tp * pp * cp * dp // (tp * ep * pp), pp=pp, cp=1, order=order)
+    out.update({"ep": expert.get_ranks("ep"), "expert-tp": expert.get_ranks("tp"),
+                "expert-dp": expert.get_ranks("dp")})
+    return out
+
+
+AXES = ("pp", "tp", "dp", "cp", "ep", "expert-dp")
 
 
 def coords(groups: dict, world: int) -> list:
-    """[(pp, tp, dp, cp) rank of every global rank]."""
-    out = [[0, 0, 0, 0] for _ in range(world)]
-    for axis, name in enumerate(("pp", "tp", "dp", "cp")):
+    """[(pp, tp, dp, cp, ep, expert-dp) rank of every global rank] (expert-TP rank = TP rank: the same groups)."""
+    out = [[0] * len(AXES) for _ in range(world)]
+    for axis, name in enumerate(AXES):
         for group in groups[name]:
             for i, r in enumerate(group):
                 out[r][axis] = i
@@ -73,18 +89,26 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
     try:
         mpu.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
                                       virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
-                                      context_parallel_size=p.cp, create_gloo_process_groups=False)
+                                      context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+                                      create_gloo_process_groups=False)
         with torch.device("meta"):
             chunks = build_model(model_dir, p, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                                 seed=cfg.train.seed)
+                                 seed=cfg.train.seed, moe=cfg.model.moe)
         out = StageParams()
         for chunk in chunks:
             model = unwrap(chunk)
             out.layers += len(model.decoder.layers)
+            out.layer_numbers += [layer.layer_number for layer in model.decoder.layers]
             for name, param in model.named_parameters():
                 n = param.numel()
                 out.held += n
-                if name == "output_layer.weight" and model.share_embeddings_and_output_weights \
+                if is_expert_param(name, param):
+                    out.expert_held += n
+                    if getattr(param, "tensor_model_parallel", False):
+                        out.expert_sharded += n
+                    else:
+                        out.expert_replicated += n
+                elif name == "output_layer.weight" and model.share_embeddings_and_output_weights \
                         and not model.pre_process:
                     out.tied_copy += n
                 elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -99,17 +123,26 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
         dist.destroy_process_group()
 
 
+def is_expert_param(name: str, param) -> bool:
+    """Megatron marks expert weights `allreduce=False` (DDP and the optimizer put them in their expert-DP buffers)
+    only when EP > 1; at EP 1 they are plain DP weights (expert-DP = DP x CP then), known by their module name."""
+    return not getattr(param, "allreduce", True) or ".mlp.experts." in name
+
+
 def vocab_share(local_rows: int, tp_rank: int, vocab: int) -> int:
     """Rows of a vocab-parallel shard that are real tokens (the padding sits at the end of the last shards)."""
     start = tp_rank * local_rows
     return max(0, min(vocab, start + local_rows) - start)
 
 
-def unique_params(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, vocab: int) -> int:
+def unique_params(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, vocab: int,
+                  expert_dp_rank: int = 0) -> int:
+    """What this rank owns: dense weights on DP0/CP0 (replicated ones on TP0 too), experts on expert-DP rank 0."""
+    experts = 0 if expert_dp_rank else stage.expert_sharded + (stage.expert_replicated if tp_rank == 0 else 0)
     if dp_rank or cp_rank:
-        return 0
+        return experts
     rows = sum(vocab_share(r, tp_rank, vocab) * h for r, h in stage.vocab_rows)
-    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0)
+    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0) + experts
 
 
 def plan_seq_len(cfg) -> int:
@@ -122,14 +155,25 @@ ATTENTION = {"flash": "fused attention (TE/flash on GPU): no score matrix kept",
              "local": "megatron's local attention (CPU): fp32 scores and probabilities kept"}
 
 
-def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attention: str = "flash") -> float:
+def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attention: str = "flash",
+                               sparse: bool = False) -> float:
     """Tensors one transformer layer keeps for backward (no recomputation), for `tokens` tokens of sequences of
-    length `seq` on this rank (CP: seq is the full length, the rank holds seq / cp queries)."""
+    length `seq` on this rank (CP: seq is the full length, the rank holds seq / cp queries).
+
+    `sparse` (a MoE layer): a rough estimate, not measured. After the all-to-all over EP and the all-gather over
+    expert-TP a rank computes topk x tokens routed tokens on average (routing imbalance moves it; nothing is
+    dropped): each keeps its permuted input (h) and its expert MLP's 3 x moe_ffn / expert-TP, instead of the dense
+    3 x ffn / TP per token; plus the router's fp32 scores and probabilities (2 x E per token)."""
     h, d, a, kv, ffn = info.hidden_size, info.head_dim, info.num_attention_heads, info.num_key_value_heads, \
         info.intermediate_size
     t = p.tp
     sp = t if p.sp else 1  # sequence parallel shards the norms' and residuals' tokens over TP
-    per_token = elem * (6 * h / sp + (2 * a + 3 * kv) * d / t + 3 * ffn / t)
+    if sparse:  # expert-TP = TP (megatron's default)
+        m = info.moe
+        mlp, router = m.topk * (h + 3 * m.ffn_hidden_size / t), 4 * 2 * m.num_experts / sp
+    else:
+        mlp, router = 3 * ffn / t, 0.0
+    per_token = elem * (6 * h / sp + (2 * a + 3 * kv) * d / t + mlp) + router
     if attention == "local":  # softmax in fp32: scores and probabilities per query token and head
         scores = 4 * 2 * (a / t) * seq
     else:  # flash attention keeps the softmax statistics only
@@ -137,13 +181,20 @@ def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attent
     return tokens * (per_token + scores)
 
 
-def backward_working_set(info, p, tokens: int, seq: int, attention: str) -> float:
+def backward_working_set(info, p, tokens: int, seq: int, attention: str, sparse: bool = False) -> float:
     """What one layer's backward allocates on top of the saved tensors: with local attention the gradients of the
     scores and probabilities and the recomputed mask (about three score matrices); with flash attention about one
-    layer's activations."""
+    layer's activations (a MoE layer's where the stage has one)."""
     if attention == "local":
         return 3 * 4 * (info.num_attention_heads / p.tp) * seq * tokens
-    return activation_bytes_per_layer(info, p, tokens, seq, 2, attention)
+    return activation_bytes_per_layer(info, p, tokens, seq, 2, attention, sparse)
+
+
+def sparse_count(info, stage: StageParams) -> int:
+    """How many of the stage's layers are MoE layers (info.moe.sparse_layers, by megatron's global layer number)."""
+    if info.moe is None:
+        return 0
+    return sum(1 for n in stage.layer_numbers if info.moe.sparse_layers[n - 1])
 
 
 RUNTIME_OVERHEAD = 128 << 20  # allocator caching, communication buffers, thread stacks: about 100-200 MB per rank
@@ -151,15 +202,19 @@ RUNTIME_OVERHEAD = 128 << 20  # allocator caching, communication buffers, thread
 
 
 def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_padded: int,
-                    attention: str = "flash") -> dict:
-    """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total."""
+                    attention: str = "flash", expert_dp: int | None = None) -> dict:
+    """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total. The rank
+    holds its E / EP experts' weights, fp32 gradients and Adam state like any other; megatron's distributed
+    optimizer shards dense state over DP x CP and expert state over `expert_dp` (its intra expert-DP group)."""
     p, t = cfg.parallel, cfg.train
     elem = 2 if cfg.model.params_dtype == "bfloat16" else 4
     held = stage.held
     weights = held * elem
     grads = held * 4  # DDP grad buffer in fp32 (grad_reduce_in_fp32)
-    adam = held * (8 + (4 if elem == 2 else 0))  # m, v (+ fp32 master weights with bf16)
-    adam_dist = adam / (dp * p.cp)
+    per_param = 8 + (4 if elem == 2 else 0)  # m, v (+ fp32 master weights with bf16)
+    adam = held * per_param
+    expert_dp = expert_dp or dp * p.cp
+    adam_dist = (held - stage.expert_held) * per_param / (dp * p.cp) + stage.expert_held * per_param / expert_dp
     seq = plan_seq_len(cfg)
     per_dp = max(1, cfg.rollout.prompts_per_step * cfg.rollout.n // max(t.steps_per_generation, 1) // dp)
     mbs = min(t.micro_batch_size, per_dp)
@@ -168,16 +223,20 @@ def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_
     if p.vpp and p.vpp > 1:
         inflight = min(micro_batches * p.vpp, inflight * p.vpp)  # interleaved: more chunks in flight
     tokens = mbs * seq / p.cp
-    layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, attention) * stage.layers / (p.vpp or 1)
-    activations = layers_act * inflight + backward_working_set(info, p, tokens, seq, attention)
+    sparse = sparse_count(info, stage)
+    layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, attention) * (stage.layers - sparse)
+    if sparse:
+        layers_act += activation_bytes_per_layer(info, p, tokens, seq, elem, attention, True) * sparse
+    layers_act /= p.vpp or 1
+    activations = layers_act * inflight + backward_working_set(info, p, tokens, seq, attention, sparse > 0)
     last = pp_rank == p.pp - 1
     # logits [mbs, seq/cp, V/tp] in the model dtype, kept for backward, plus their fp32 gradient while it runs
     logits = tokens * vocab_padded / p.tp * (elem + 4) if last else 0.0
     optimizer = adam_dist if t.use_distributed_optimizer else adam
     total = weights + grads + optimizer + activations + logits + RUNTIME_OVERHEAD
     return dict(weights=weights, grads=grads, optimizer=adam, optimizer_distributed=adam_dist,
-                activations=activations, logits=logits, overhead=RUNTIME_OVERHEAD, total=total, seq=seq, micro_batch=mbs,
-                micro_batches=micro_batches, inflight=inflight)
+                activations=activations, logits=logits, overhead=RUNTIME_OVERHEAD, total=total, seq=seq,
+                micro_batch=mbs, micro_batches=micro_batches, inflight=inflight)
 
 
 def build_plan(cfg, world: int, attention: str = "flash") -> dict:
@@ -189,21 +248,24 @@ def build_plan(cfg, world: int, attention: str = "flash") -> dict:
     info = read_model_info(cfg.model.path)
     mp = p.tp * p.pp * p.cp
     dp = world // mp
-    groups = rank_groups(p.tp, p.pp, p.cp, dp)
+    expert_dp = world // (p.tp * p.ep * p.pp)
+    groups = rank_groups(p.tp, p.pp, p.cp, dp, p.ep)
     where = coords(groups, world)
     stages = {}
-    for stage in range(p.pp):
-        rank = next(r for r, c in enumerate(where) if c == (stage, 0, 0, 0))
+    for stage in range(p.pp):  # every rank of a stage holds the same shapes (EP ranks: as many experts)
+        rank = next(r for r, c in enumerate(where) if c[:4] == (stage, 0, 0, 0))
         stages[stage] = stage_params(cfg, cfg.model.path, world, rank)
     vocab_padded = padded_vocab_size(info.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp)
     ranks = []
-    for r, (pp_rank, tp_rank, dp_rank, cp_rank) in enumerate(where):
+    for r, (pp_rank, tp_rank, dp_rank, cp_rank, ep_rank, edp_rank) in enumerate(where):
         s = stages[pp_rank]
-        ranks.append(dict(rank=r, pp=pp_rank, tp=tp_rank, dp=dp_rank, cp=cp_rank, held=s.held,
-                          unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size),
-                          memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention)))
-    return dict(world=world, dp=dp, groups=groups, ranks=ranks, info=info, vocab_padded=vocab_padded, attention=attention,
-                unique_total=sum(r["unique"] for r in ranks))
+        ranks.append(dict(rank=r, pp=pp_rank, tp=tp_rank, dp=dp_rank, cp=cp_rank, ep=ep_rank, edp=edp_rank,
+                          held=s.held, expert_held=s.expert_held,
+                          unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size, edp_rank),
+                          memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention, expert_dp)))
+    return dict(world=world, dp=dp, expert_dp=expert_dp, groups=groups, ranks=ranks, info=info,
+                vocab_padded=vocab_padded, attention=attention, unique_total=sum(r["unique"] for r in ranks),
+                unique_experts=p.ep * sum(s.expert_sharded * p.tp + s.expert_replicated for s in stages.values()))
 
 
 def _groups_line(name: str, groups: list, limit: int = 4) -> str:
@@ -221,18 +283,28 @@ def _ranks(g: list) -> str:
 def format_plan(cfg, plan: dict) -> str:
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
     info, world, dp = plan["info"], plan["world"], plan["dp"]
+    moe = info.moe is not None
     m0 = plan["ranks"][0]["memory"]
     opt_steps = t.steps_per_generation * t.num_iterations
     gb = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
+    experts = f"; experts: expert-TP {p.tp} x EP {p.ep} x expert-DP {plan['expert_dp']} x PP {p.pp}" if moe else ""
     lines = [f"plan: {os.path.basename(os.path.normpath(cfg.model.path))} ({info.family}, {info.num_hidden_layers} "
              f"layers, hidden {info.hidden_size}, vocab {info.vocab_size} padded to {plan['vocab_padded']}) on "
              f"{world} ranks, {cfg.model.params_dtype}",
              f"layout: TP {p.tp} x PP {p.pp}{f' (VPP {p.vpp})' if p.vpp and p.vpp > 1 else ''} x CP {p.cp} x DP {dp}"
-             f"{', SP' if p.sp else ''} (megatron order tp-cp-ep-dp-pp)"]
+             f"{', SP' if p.sp else ''} (megatron order tp-cp-ep-dp-pp){experts}"]
     for name in ("tp", "pp", "cp", "dp"):
         lines.append(_groups_line(name.upper(), plan["groups"][name]))
+    if p.ep > 1:
+        lines += [_groups_line("EP", plan["groups"]["ep"]), _groups_line("EXP-DP", plan["groups"]["expert-dp"])]
+    if moe:
+        m = info.moe
+        lines.append(f"experts: {m.num_experts} per MoE layer ({sum(m.sparse_layers)} of {info.num_hidden_layers} "
+                     f"layers), top-{m.topk}, expert FFN {m.ffn_hidden_size}; {m.num_experts // p.ep} per EP rank "
+                     f"(EP {p.ep}), expert-TP {p.tp} (= TP), expert-DP {plan['expert_dp']}")
     samples = r.prompts_per_step * r.n
     per_dp = samples // max(t.steps_per_generation, 1) // dp
+    held = f"{'expert held':>14} {'non-expert held':>15}" if moe else f"{'params held':>14}"
     lines += [f"batch: {r.prompts_per_step} prompts x {r.n} samples = {samples} per rollout step; "
               f"{t.steps_per_generation} mini-batch(es) x {t.num_iterations} iteration(s) = {opt_steps} optimizer "
               f"step(s) per rollout step, {opt_steps * t.steps} in {t.steps} steps",
@@ -240,18 +312,24 @@ def format_plan(cfg, plan: dict) -> str:
               f"{m0['micro_batch']}; up to {m0['seq']} tokens per sample (data.max_prompt_length or 512, + "
               f"rollout.max_tokens {r.max_tokens})",
               f"params: {plan['unique_total']:,} unique over all ranks (HF count; vocabulary padding and replicas "
-              f"excluded)",
+              f"excluded)" + (f"; {plan['unique_experts']:,} of them in experts" if moe else ""),
               f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
-              f"{ATTENTION[plan['attention']]}: --plan-attention):",
-              f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} {'params held':>14} {'unique':>14} "
+              f"{ATTENTION[plan['attention']]}: --plan-attention"
+              + ("; adam/dist: dense state sharded over DP x CP, expert state over expert-DP" if moe else "") + "):",
+              f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} " + (f"{'ep':>3} {'edp':>3} " if moe else "")
+              + f"{held} {'unique':>14} "
               f"{'weights':>8} {'grads':>8} {'adam':>8} {'adam/dist':>9} {'activ.':>8} {'logits':>8} {'total':>8}"]
     rows = plan["ranks"]
     if world > 32:  # one row per (pp, tp) class of the first replica
         rows = [x for x in rows if x["dp"] == 0 and x["cp"] == 0]
     for x in rows:
         m = x["memory"]
-        lines.append(f"  {x['rank']:>4} {x['pp']:>3} {x['tp']:>3} {x['dp']:>3} {x['cp']:>3} {x['held']:>14,} "
-                     f"{x['unique']:>14,} {gb(m['weights'])} {gb(m['grads'])} {gb(m['optimizer'])} "
+        where = f"{x['rank']:>4} {x['pp']:>3} {x['tp']:>3} {x['dp']:>3} {x['cp']:>3}"
+        if moe:
+            where += f" {x['ep']:>3} {x['edp']:>3} {x['expert_held']:>14,} {x['held'] - x['expert_held']:>15,}"
+        else:
+            where += f" {x['held']:>14,}"
+        lines.append(f"  {where} {x['unique']:>14,} {gb(m['weights'])} {gb(m['grads'])} {gb(m['optimizer'])} "
                      f"{gb(m['optimizer_distributed']):>9} {gb(m['activations'])} {gb(m['logits'])} "
                      f"{gb(m['total'])}")
     peak = max(plan["ranks"], key=lambda x: x["memory"]["total"])
@@ -309,16 +387,22 @@ def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:
     in its memory (a 72B config started on a laptop), instead of an out-of-memory kill minutes later."""
     import psutil
 
-    p = cfg.parallel
+    p, m = cfg.parallel, info.moe
     h, d, L, f = info.hidden_size, info.head_dim, info.num_hidden_layers, info.intermediate_size
-    layer = h * d * (2 * info.num_attention_heads + 2 * info.num_key_value_heads) + 3 * h * f + 2 * h
-    total = info.vocab_size * h * (1 if info.tie_word_embeddings else 2) + L * layer + h
+    sparse = sum(m.sparse_layers) if m else 0  # MoE layers: a router instead of the dense MLP, experts over EP
+    layer = h * d * (2 * info.num_attention_heads + 2 * info.num_key_value_heads) + 2 * h
+    dense = (info.vocab_size * h * (1 if info.tie_word_embeddings else 2) + L * layer + (L - sparse) * 3 * h * f + h
+             + (sparse * m.num_experts * h if m else 0))
+    experts = sparse * m.num_experts * 3 * h * m.ffn_hidden_size if m else 0
+    total = dense + experts
     bf16 = cfg.model.params_dtype == "bfloat16"
-    per_rank = total / (p.tp * p.pp) * ((2 if bf16 else 4) + 4 + 8 + (4 if bf16 else 0))  # weights, grads, Adam
+    per_rank = (dense / (p.tp * p.pp) + experts / (p.tp * p.ep * p.pp)) \
+        * ((2 if bf16 else 4) + 4 + 8 + (4 if bf16 else 0))  # weights, grads, Adam
     need, have = per_rank * local_ranks, psutil.virtual_memory().total
     if need <= have:
         return None
-    return (f"no GPU here, and model.path={cfg.model.path!r} ({total / 1e9:.1f}B parameters) at TP{p.tp} x PP{p.pp} "
-            f"needs about {per_rank / GiB:.0f} GiB per rank for weights, gradients and Adam state, "
+    ep = f" x EP{p.ep}" if p.ep > 1 else ""
+    return (f"no GPU here, and model.path={cfg.model.path!r} ({total / 1e9:.1f}B parameters) at TP{p.tp} x "
+            f"PP{p.pp}{ep} needs about {per_rank / GiB:.0f} GiB per rank for weights, gradients and Adam state, "
             f"{need / GiB:.0f} GiB for the {local_ranks} rank(s) on this machine, which has {have / GiB:.0f} GiB; "
             f"run it on GPUs (see --print-plan for the per-rank plan)")

@@ -1,6 +1,7 @@
 """--print-plan: parameters summed over ranks equal HF's count for published shapes (meta device, fake process
-group, one process); layouts that do not divide give the launch's one-line errors; the 72B example plans for 16
-ranks and stops with one line when launched for real without a GPU."""
+group, one process), MoE ones at layouts with EP (experts owned per EP rank, once per expert-DP group); layouts
+that do not divide give the launch's one-line errors; the 72B example plans for 16 ranks and stops with one line
+when launched for real without a GPU; the Qwen3-30B-A3B example plans EP8 on 8 ranks."""
 import json
 import os
 import subprocess
@@ -27,8 +28,22 @@ SHAPES = {  # the published config.json fields that decide the parameter count
                      head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
                      tie_word_embeddings=False, attention_bias=False, hidden_act="silu"),
 }
+QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, head_dim=128,
+                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                 tie_word_embeddings=False, hidden_act="silu", attention_bias=False, router_aux_loss_coef=0.001)
+SHAPES.update({
+    "qwen3-30b-a3b": dict(QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4),
+    "qwen3-235b-a22b": dict(QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
+})
+# (tp, pp) on tp x pp x 2 ranks (PP1) or tp x pp; MoE: (tp, pp, ep, world, sp), expert-DP = world / (tp x ep x pp)
+EP_LAYOUTS = [(1, 1, 8, 8, False), (2, 1, 4, 8, True), (1, 2, 4, 8, False)]  # expert-DP 1
 LAYOUTS = {"qwen2.5-7b": [(4, 2), (2, 1)],  # 28 heads: TP8 does not divide (tested below)
-           "qwen2.5-72b": [(8, 2), (2, 1)], "llama-3.1-8b": [(8, 2), (2, 1)], "qwen3-8b": [(8, 2), (2, 1)]}
+           "qwen2.5-72b": [(8, 2), (2, 1)], "llama-3.1-8b": [(8, 2), (2, 1)], "qwen3-8b": [(8, 2), (2, 1)],
+           "qwen3-30b-a3b": EP_LAYOUTS + [(1, 1, 4, 16, False)],  # expert-DP 4: expert replicas count once
+           "qwen3-235b-a22b": EP_LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +68,15 @@ for name, lays in layouts.items():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{root}/{name}"))
     out[name] = {"hf": sum(p.numel() for p in hf.parameters()), "plans": []}  # a tied lm_head is listed once
-    for tp, pp in lays:
-        world = tp * pp * (2 if pp == 1 else 1)  # TP2 plans with DP2: replicas must not count twice
-        cfg = load_config(argv=["--model.path", f"{root}/{name}", "--tp", str(tp), "--pp", str(pp),
-                                "--model.params_dtype", "bfloat16"], check_files=False)
+    for lay in lays:  # dense (tp, pp): TP2 plans with DP2, replicas must not count twice
+        tp, pp, ep, world, sp = lay if len(lay) == 5 else (*lay, 1, lay[0] * lay[1] * (2 if lay[1] == 1 else 1), 0)
+        cfg = load_config(argv=["--model.path", f"{root}/{name}", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
+                                "--model.params_dtype", "bfloat16"] + (["--sp"] if sp else []), check_files=False)
         plan = build_plan(cfg, world)
-        held = sum({r["pp"]: r["held"] for r in plan["ranks"]}.values()) * tp
-        out[name]["plans"].append(dict(tp=tp, pp=pp, world=world, unique=plan["unique_total"], held=held))
+        stages = {r["pp"]: r["held"] - r["expert_held"] + r["expert_held"] * ep for r in plan["ranks"]}
+        out[name]["plans"].append(dict(tp=tp, pp=pp, ep=ep, sp=sp, world=world, unique=plan["unique_total"],
+                                       held=sum(stages.values()) * tp, expert_dp=plan["expert_dp"],
+                                       experts=plan["unique_experts"]))
 print(json.dumps(out))
 """
 
@@ -79,8 +96,15 @@ def test_unique_parameters_over_ranks_equal_hf(counts, name):
     want = counts[name]["hf"]
     for p in counts[name]["plans"]:
         assert p["unique"] == want, (name, p, p["unique"] - want)
-        assert p["held"] >= want  # padding and replicated norms only add
-        print(f"{name} TP{p['tp']}xPP{p['pp']} on {p['world']} ranks: {p['unique']:,} = HF {want:,}")
+        assert p["held"] >= want  # padding and replicated norms only add (experts: summed over EP ranks)
+        ep = f"xEP{p['ep']}{' SP' if p['sp'] else ''}" if p["ep"] > 1 else ""
+        edp = f" (expert-DP {p['expert_dp']})" if p["ep"] > 1 else ""
+        print(f"{name} TP{p['tp']}xPP{p['pp']}{ep} on {p['world']} ranks{edp}: {p['unique']:,} = HF {want:,}")
+    if "moe" in SHAPES[name]["model_type"]:
+        cfg = SHAPES[name]
+        experts = (cfg["num_hidden_layers"] * cfg["num_experts"] * 3 * cfg["hidden_size"]
+                   * cfg["moe_intermediate_size"])
+        assert all(p["experts"] == experts for p in counts[name]["plans"]), counts[name]["plans"]
 
 
 def launch(*args, timeout=120):
@@ -100,6 +124,32 @@ def test_the_72b_example_plans_16_ranks_and_stops_with_one_line_without_a_gpu():
     proc = launch("--config", "examples/qwen72b.yaml", "--data.path", "examples/data/tiny_prompts.jsonl")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "run it on GPUs" in lines[0], proc.stderr[-2000:]
+
+
+def test_the_qwen3_30b_a3b_example_plans_ep8_on_8_ranks():
+    proc = launch("--config", "examples/qwen3-30b-a3b.yaml", "--print-plan", "--world-size", "8", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "layout: TP 1 x PP 1 x CP 1 x DP 8" in out and "experts: expert-TP 1 x EP 8 x expert-DP 1 x PP 1" in out
+    assert "EP     1 x 8: [0-7]" in out and "EXP-DP 8 x 1: [0], [1], [2], [3], ... (8 groups)" in out
+    assert "128 per MoE layer (48 of 48 layers), top-8, expert FFN 768; 16 per EP rank (EP 8)" in out
+    assert "30,532,122,624 unique" in out  # Qwen3-30B-A3B's count (HF, meta build of the published config)
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert len(rows) == 8 and {r[7] for r in rows} == {"3,623,878,656"}  # 16 of 128 experts x 48 layers each
+    print(out)
+
+
+def test_expert_optimizer_state_is_sharded_over_expert_dp():
+    """The distributed optimizer shards dense state over DP x CP and expert state over expert-DP (megatron's
+    intra_expt_dp_group): at EP4 on 16 ranks DP is 16, expert-DP 4."""
+    from mgrpo.config import load_config
+    from mgrpo.models.hf_config import read_model_info
+    from mgrpo.plan import StageParams, memory_estimate
+
+    cfg = load_config(argv=["--config", "examples/qwen3-30b-a3b.yaml", "--ep", "4"], check_files=False)
+    stage = StageParams(held=10_000, expert_held=6_000, layer_numbers=list(range(1, 49)), layers=48)
+    m = memory_estimate(cfg, read_model_info(cfg.model.path), stage, 0, 16, 151936, expert_dp=4)
+    assert m["optimizer"] == 10_000 * 12 and m["optimizer_distributed"] == 4_000 * 12 / 16 + 6_000 * 12 / 4
 
 
 def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
