@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from mgrpo.resharding.bucket import BucketError, ManifestCheck
+from mgrpo.rollout.serving.vllm_moe import repack_cpu_experts
 from mgrpo.rollout.serving.vllm_settings import test_load_delay
 from mgrpo.rollout.transports.collective_group import join_group, receive_buckets
 
@@ -145,6 +146,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         try:
             reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,
                            weights_iterator=arriving())
+            repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
             self.shutdown()
             raise RuntimeError(f"{POISONED}, the engine holds a mix of versions (streamed update): "
@@ -179,6 +181,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         try:
             reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,
                            weights_iterator=(item for b in self.buckets for item in b.tensors()))
+            repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
             raise RuntimeError(f"{POISONED}, the engine holds a mix of versions: {type(exc).__name__}: {exc}") \
                 from None

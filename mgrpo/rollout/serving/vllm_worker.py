@@ -18,6 +18,7 @@ import torch
 
 from mgrpo.resharding.bucket import Bucket, BucketError, ManifestCheck, read_bucket
 from mgrpo.rollout.serving import local_rpc
+from mgrpo.rollout.serving.vllm_moe import repack_cpu_experts
 from mgrpo.rollout.serving.vllm_settings import test_load_delay
 from mgrpo.rollout.transports.buffers import open_buffer
 
@@ -99,6 +100,7 @@ class FileReceiver:
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=(item for b in buckets for item in b.tensors()))
+            repack_cpu_experts(self.model_runner.model)
         except Exception as exc:  # noqa: BLE001
             return {"ok": False, "poisoned": True, "error": f"update failed while loading, the engine holds a mix "
                                                             f"of versions: {type(exc).__name__}: {exc}"}
@@ -155,6 +157,7 @@ def _receive(worker, sock, buffers: dict, expected: dict, optional: list) -> dic
     staged_at, t0 = time.time(), time.perf_counter()  # wall clock: the trainer times its side against it
     try:
         worker.reload_weights(weights_iterator=weights())
+        repack_cpu_experts(worker.model_runner.model)
         receipt = receipt or check.finish()
     except Exception as exc:  # noqa: BLE001  (anything after loading began leaves a half-loaded model)
         return _fail(sock, f"update failed while loading, the engine holds a mix of versions: "
