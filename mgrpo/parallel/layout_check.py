@@ -109,13 +109,13 @@ def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bo
     every data-parallel replica exports to its own first rank at once (one engine per DP group); each checks."""
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.state import setup_model_parallel
-    from mgrpo.resharding.export import _coords
+    from mgrpo.resharding.export import rank_coords
     from mgrpo.resharding.load import SafetensorsReader, load_hf
 
     setup_model_parallel(cfg.parallel, cfg.train.seed)
     chunks = build_model(model_dir, cfg.parallel)
     load_hf(chunks, model_dir)
-    coords = _coords()
+    coords = rank_coords()
     dst = {d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
            for d in range(mpu.get_data_parallel_world_size())} if per_dp else 0
     got = {}

@@ -22,7 +22,7 @@ from mgrpo.resharding.name_map import chunk_mappings
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
-def _coords() -> torch.Tensor:
+def rank_coords() -> torch.Tensor:
     """[world, 5] of (pp, tp, dp, cp, expert-dp) ranks."""
     mine = torch.tensor([mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
                          mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank(),
@@ -144,7 +144,7 @@ def _buckets_of(stream, bucket_bytes: int):
 
 def stage_senders() -> list:
     """Global ranks of each PP stage's (DP0, TP0, CP0) rank, by stage: the senders of `stage_buckets`."""
-    coords = _coords()
+    coords = rank_coords()
     return [next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, 0, 0])
             for stage in range(mpu.get_pipeline_model_parallel_world_size())]
 
@@ -195,7 +195,7 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     exporter's EP peers). A destination must belong to the replica it receives from. Tensors are views or fresh
     copies valid until the caller asks for the next bucket's worth.
     """
-    coords = _coords()
+    coords = rank_coords()
     dsts = dst if isinstance(dst, dict) else {0: dst}
     for d, target in dsts.items():
         if int(coords[target, 2]) != d:
