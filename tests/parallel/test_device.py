@@ -75,7 +75,7 @@ def _owner_table():
 def _export_coords():
     from mgrpo.resharding.export import rank_coords
 
-    assert rank_coords().tolist() == [[0, 0, 0, 0]]
+    assert rank_coords().tolist() == [[0, 0, 0, 0, 0]]
 
 
 def _kl_vector():
