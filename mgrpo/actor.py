@@ -36,13 +36,15 @@ class Actor:
             from mgrpo.parallel.context_parallel import cp_seq_sum
 
             self.seq_sum = cp_seq_sum(mpu.get_context_parallel_group())
-        self.router_stats = None  # tokens per expert and the balancing loss of a MoE policy's training forward
+        self.router_stats = self.routing = None  # MoE: tokens per expert, balancing loss; replay and agreement
         if self.info.moe is not None:
             from mgrpo.models.router_stats import RouterStats
+            from mgrpo.models.routing import RoutingReplay
 
             m = self.info.moe
             self.router_stats = RouterStats(chunks, self.info.num_hidden_layers, m.num_experts, m.topk,
                                             bool(cfg.parallel.sp))
+            self.routing = RoutingReplay(chunks, self.info, cfg.algorithm.routing_replay, bool(cfg.parallel.sp))
         if train:
             self._wrap_for_training()
 
@@ -160,7 +162,9 @@ class Actor:
 
         A step whose gradients are not finite on some rank is skipped on every rank: weights, Adam's moments
         and step count stay as they were (`update_ok` False, `skipped_steps` counts them)."""
-        with self.router_stats.collect() if self.router_stats else contextlib.nullcontext():
+        moe = self.router_stats is not None
+        with self.router_stats.collect() if moe else contextlib.nullcontext(), \
+                self.routing.collect() if moe else contextlib.nullcontext():
             stats = self.forward_backward(microbatches)
         if self.grads_finite():
             lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this update uses
@@ -175,8 +179,8 @@ class Actor:
             self.optimizer.zero_grad()
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
                "skipped_steps": self.skipped_steps, "lr": lr}
-        if self.router_stats is not None:
-            out.update(self.router_stats.reduce())
+        if moe:
+            out.update(self.router_stats.reduce(), **self.routing.reduce())
         if stats:
             tokens = sum(float(s["tokens"]) for s in stats)
             for k in stats[0]:

@@ -156,6 +156,7 @@ class AlgorithmConfig:
     tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (ms-swift --tau_pos; the paper's default)
     tau_neg: float = 1.05  # SAPO's gate temperature where A < 0 (ms-swift --tau_neg; the paper's default)
     top_entropy_quantile: float = 1.0  # < 1: only the mini-batch's top-q entropy tokens train (1.0 = off)
+    routing_replay: bool = False  # MoE: route tokens to the experts the engine chose (R3; mgrpo/models/routing.py)
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy (the initial weights)
     kl_estimator: str = "k3"  # k1 | k2 | k3 as a loss term
     kl_in_reward: bool = False  # subtract kl_coef * k1 (per sequence) from the reward instead

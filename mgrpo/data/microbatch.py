@@ -16,7 +16,7 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "has_rollout", "token_weight",
-            "position_ids", "valid")
+            "position_ids", "valid", "routing")
 
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
@@ -51,6 +51,7 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
         has_rollout = torch.zeros(b, length)  # 1 where the engine gave a logprob; never read rollout_logp elsewhere
         weight = torch.zeros(b, length, dtype=torch.float64)
         valid = torch.zeros(b, length, dtype=torch.bool)  # real tokens (prompt and response), not padding
+        routing = _routing(group, length)
         for i, (s, seq) in enumerate(zip(group, seqs)):
             ids[i, : len(seq)] = torch.tensor(seq)
             valid[i, : len(seq)] = True
@@ -74,13 +75,33 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
             "sample_index": list(range(start, start + b)), "cp_size": cp_size, "valid": valid,
         }
+        if routing is not None:
+            mb["routing"] = routing
         if cp_size > 1:
             from mgrpo.parallel.context_parallel import split_for_cp
 
             for key in SEQ_KEYS:
-                mb[key] = split_for_cp(mb[key], 1, cp_rank, cp_size)
+                if key in mb:
+                    mb[key] = split_for_cp(mb[key], 1, cp_rank, cp_size)
             mb["attention_mask"] = None  # CP attention masks causally by global position
         out.append(mb if device is None else to_device(mb, device))
+    return out
+
+
+def _routing(group: list, length: int):
+    """[batch, length, moe_layers, topk] of the engine's recorded experts (-1 where none), or None if no sample of
+    the micro-batch carries a record (mgrpo/models/routing.py)."""
+    records = [s.routed_experts for s in group]
+    if all(r is None for r in records):
+        return None
+    from mgrpo.models.routing import decode_routing
+
+    shape = next(r["shape"] for r in records if r is not None)
+    out = torch.full((len(group), length, shape[1], shape[2]), -1, dtype=torch.long)
+    for i, r in enumerate(records):
+        if r is not None:
+            rows = decode_routing(r)[:length]
+            out[i, : rows.shape[0]] = rows
     return out
 
 

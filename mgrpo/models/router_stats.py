@@ -47,16 +47,12 @@ class RouterStats:
                     router.register_forward_hook(self._hook(layer.layer_number - 1))
                     self.layers.append(layer.layer_number - 1)
 
-    def _valid_tokens(self, n_tokens: int):
+    def _valid_tokens(self):
         if _VALID is None:
             return None
-        valid = _VALID.transpose(0, 1).reshape(-1)  # [seq, batch] order, as megatron's hidden states
-        if self.sp and valid.numel() != n_tokens:  # this TP rank's contiguous sequence chunk
-            from megatron.core import parallel_state as mpu
+        from mgrpo.models.routing import router_order
 
-            valid = valid.view(-1, _VALID.shape[0]).chunk(mpu.get_tensor_model_parallel_world_size())[
-                mpu.get_tensor_model_parallel_rank()].reshape(-1)
-        return valid.to(torch.bool)
+        return router_order(_VALID, self.sp).to(torch.bool)  # megatron's token order, this TP rank's chunk
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -66,7 +62,7 @@ class RouterStats:
                 hidden = args[0].reshape(-1, args[0].shape[-1])
                 routing_map = output[1].reshape(hidden.shape[0], -1)
                 scores = torch.softmax(hidden.float() @ module.weight.float().t(), dim=-1)
-                valid = self._valid_tokens(hidden.shape[0])
+                valid = self._valid_tokens()
                 if valid is not None:
                     scores, routing_map = scores[valid.to(scores.device)], routing_map[valid.to(scores.device)]
                 row = self.sums[layer]

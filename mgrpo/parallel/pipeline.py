@@ -20,10 +20,11 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
     differ between micro-batches (config.variable_seq_lengths makes the p2p layer send shapes).
     """
     from mgrpo.models.router_stats import tokens_of
+    from mgrpo.models.routing import routes_of
 
     def step(data_iterator, model):
         mb = next(data_iterator)
-        with tokens_of(mb.get("valid")):  # router metrics leave padding out
+        with tokens_of(mb.get("valid")), routes_of(mb.get("routing")):  # MoE: padding out of metrics; replay
             out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
         return out, functools.partial(loss_fn, mb)
 

@@ -133,7 +133,8 @@ class RolloutManager:
                                   loss_mask=[1] * len(resp.token_ids), rollout_logprobs=list(resp.logprobs),
                                   group_id=first_group + i, weight_version=min(resp.weight_versions, default=0),
                                   finish_reason=resp.finish_reason, messages=rows[i]["messages"],
-                                  info=dict(extra, engine=resp.served_by or self.engine.name)))
+                                  info=dict(extra, engine=resp.served_by or self.engine.name),
+                                  routed_experts=resp.routed_experts))
         return samples
 
     def rollout(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,

@@ -31,6 +31,7 @@ class GenerationResponse:
     finish_reason: str  # stop | length
     weight_versions: list  # the weight version that produced each token
     served_by: str = ""  # which server of a multi-replica engine answered ("" = the engine itself)
+    routed_experts: Optional[dict] = None  # MoE: the experts each input token went to (mgrpo/models/routing.py)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Sample:
     finish_reason: str = ""  # stop | length | abort
     messages: list = field(default_factory=list)
     info: dict = field(default_factory=dict)  # JSON-serialisable extras (dataset columns, per-reward scores)
+    # MoE: the engine's experts for prompt + response[:-1], [tokens, moe_layers, topk] (encode_routing), or None
+    routed_experts: Optional[dict] = None
 
     def __post_init__(self):
         if len(self.loss_mask) != len(self.response_ids):

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from mgrpo.models.routing import encode_routing
 from mgrpo.parallel.device import device
 from mgrpo.resharding.bucket import ManifestCheck, dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
@@ -63,9 +64,40 @@ class HFEngine:
         self._expected = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in self._params.items()}
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._optional = ("lm_head.weight",) if tied and "lm_head.weight" not in self._params else ()
+        # MoE routers in layer order: each forward records the experts every input token went to
+        self._routers = [m for n, m in self.model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
 
     @torch.no_grad()
     def _generate_batch(self, requests: list, sp: SamplingParams) -> list:
+        calls = []  # MoE: per model call, [batch, tokens, moe_layers, topk] of the experts each token went to
+        layer_picks = []
+
+        def picked(module, args, out):  # HF's router returns (logits, weights, indices [batch x tokens, topk])
+            layer_picks.append(out[2].view(len(requests), -1, out[2].shape[-1]).cpu())
+            if len(layer_picks) == len(self._routers):
+                calls.append(torch.stack(layer_picks, 2))
+                layer_picks.clear()
+
+        hooks = [r.register_forward_hook(picked) for r in self._routers]
+        try:
+            rows, lps = self._sample(requests, sp)
+        finally:
+            for h in hooks:
+                h.remove()
+        out_ = []
+        for i, (r, row, lp) in enumerate(zip(requests, rows, lps)):
+            stop = (not sp.ignore_eos) and self.eos in row
+            end = row.index(self.eos) + 1 if stop else len(row)
+            routed = None
+            if calls:  # the prompt's tokens (left-padded in the first call), then each fed response token
+                first = calls[0][i, calls[0].shape[1] - len(r.prompt_ids):]
+                routed = encode_routing(torch.cat([first, *[c[i] for c in calls[1: end]]]).numpy())
+            out_.append(GenerationResponse(row[:end], lp[:end], "stop" if stop else "length", [self.version] * end,
+                                           routed_experts=routed))
+        return out_
+
+    def _sample(self, requests: list, sp: SamplingParams) -> tuple:
+        """Token ids and logprobs of each row, every row up to the longest (one forward per new token)."""
         b, longest = len(requests), max(len(r.prompt_ids) for r in requests)
         self.requests_peak, self.requests_served = max(self.requests_peak, b), self.requests_served + b
         ids = torch.full((b, longest), self.pad, dtype=torch.long)
@@ -99,13 +131,7 @@ class HFEngine:
             pos = pos[:, -1:] + 1
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                              past_key_values=out.past_key_values, use_cache=True)
-        rows, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        out_ = []
-        for row, lp in zip(rows, lps):
-            stop = (not sp.ignore_eos) and self.eos in row
-            end = row.index(self.eos) + 1 if stop else len(row)
-            out_.append(GenerationResponse(row[:end], lp[:end], "stop" if stop else "length", [self.version] * end))
-        return out_
+        return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
 
     def generate_sync(self, requests: list, sampling: SamplingParams) -> list:
         out = []
