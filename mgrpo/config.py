@@ -472,6 +472,10 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
         from mgrpo.config_checks import expert_layout_problems
 
         e += expert_layout_problems(p, cfg.model.moe, model_info, cfg.model.path, world_size)
+    if cfg.algorithm.routing_replay:
+        from mgrpo.config_checks import routing_replay_problems
+
+        e += routing_replay_problems(cfg, model_info, cuda)
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
         e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "

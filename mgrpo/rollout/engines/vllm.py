@@ -37,9 +37,12 @@ class EngineStartError(RuntimeError):
     """The engine process exited or did not answer in time; the message has the tail of its log."""
 
 
-def _child_env(kv_cache_gb: float) -> dict:
-    """The child is not a torchrun rank: without these it would try to join the trainer's world."""
+def _child_env(kv_cache_gb: float, routed_experts: bool = False) -> dict:
+    """The child is not a torchrun rank: without these it would try to join the trainer's world. vLLM returns
+    routed experts only from its Model Runner V2 (which needs Triton: GPU)."""
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    if routed_experts:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # trainer ranks share these cores: no pinning
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -55,7 +58,7 @@ class VLLMEngine:
                  max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_gb: float = 1.0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  start_timeout_s: float = 600.0, log_path: str | None = None, update_ring: int | None = None,
-                 update_checksum: bool = False, update_timeout_s: float = 600.0):
+                 update_checksum: bool = False, update_timeout_s: float = 600.0, routed_experts: bool = False):
         import torch
 
         self.model_dir, self.eos = model_dir, eos_token_id
@@ -69,10 +72,11 @@ class VLLMEngine:
         spec = dict(model=os.path.abspath(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                    socket=self.socket, token=self.token, parent_pid=os.getpid())
+                    socket=self.socket, token=self.token, parent_pid=os.getpid(), routed_experts=routed_experts)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"], stdin=subprocess.PIPE,
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=_child_env(kv_cache_gb),
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=_child_env(kv_cache_gb, routed_experts),
                                      start_new_session=True)
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         self.proc.stdin.close()
@@ -118,7 +122,8 @@ class VLLMEngine:
                    for r in requests]
         out = await local_rpc.async_call(self.socket, self.token, "generate", requests=payload,
                                          sampling=asdict(sampling), eos=self.eos)
-        return [GenerationResponse(o["token_ids"], o["logprobs"], o["finish_reason"], o["weight_versions"])
+        return [GenerationResponse(o["token_ids"], o["logprobs"], o["finish_reason"], o["weight_versions"],
+                                   routed_experts=o.get("routed_experts"))
                 for o in out]
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
@@ -172,7 +177,8 @@ def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
                       tensor_parallel_size=v.tensor_parallel_size,
                       gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
                       start_timeout_s=v.start_timeout_s, log_path=log, update_ring=v.update_ring,
-                      update_checksum=v.update_checksum, update_timeout_s=r.request_timeout_s)
+                      update_checksum=v.update_checksum, update_timeout_s=r.request_timeout_s,
+                      routed_experts=cfg.algorithm.routing_replay)
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
     return engine

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from mgrpo.models.routing import encode_routing
 from mgrpo.rollout.serving import local_rpc
 from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
 #                                                by the engine core this process starts, see vllm_worker._quiet_idle_spin)
@@ -60,7 +61,9 @@ class EngineServer:
             max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
             tensor_parallel_size=spec["tensor_parallel_size"],
             gpu_memory_utilization=spec["gpu_memory_utilization"], disable_log_stats=True,
-            distributed_executor_backend="uni" if spec["tensor_parallel_size"] == 1 else None)
+            distributed_executor_backend="uni" if spec["tensor_parallel_size"] == 1 else None,
+            # routing replay: each token's experts (vLLM's aux output; Model Runner V2, set in the child's env)
+            enable_return_routed_experts=bool(spec.get("routed_experts")))
         self.llm = AsyncLLM.from_engine_args(args)
         self.dtype = str(self.llm.vllm_config.model_config.dtype).replace("torch.", "")
         self.expected, self.optional = hf_manifest(spec["model"], self.dtype)
@@ -109,7 +112,11 @@ class EngineServer:
             ids = list(c.token_ids)
             lps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-            return {"token_ids": ids, "logprobs": lps, "finish_reason": reason, "weight_versions": [version] * len(ids)}
+            out = {"token_ids": ids, "logprobs": lps, "finish_reason": reason, "weight_versions": [version] * len(ids)}
+            if getattr(c, "routed_experts", None) is not None:  # [tokens run, moe_layers, topk]
+                n = len(req["prompt_ids"]) + len(ids) - 1
+                out["routed_experts"] = encode_routing(c.routed_experts[:n])
+            return out
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
