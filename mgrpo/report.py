@@ -22,6 +22,9 @@ def panels(keys) -> list:
     """(title, [series]) in display order; the reward panel gains one series per reward function."""
     per_function = sorted(k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std",
                                                                                     "reward/failed"))
+    moe = [("Experts (MoE): load balance and router agreement", ["moe/tokens_per_expert_cv", "moe/max_load_over_mean",
+                                                                   "moe/aux_loss", "moe/router_agreement"])] \
+        if any(k.startswith("moe/") for k in keys) else []
     return [
         ("Reward (mean per step)", ["reward/mean"] + per_function),
         ("Response length (tokens)", ["response_length/mean", "response_length/max"]),
@@ -31,6 +34,7 @@ def panels(keys) -> list:
                                                    "actor/dual_clip_frac"]),
         ("Gradient norm (before clipping)", ["actor/grad_norm"]),
         ("Throughput (response tokens / s)", ["perf/tokens_per_s"]),
+        *moe,
         ("Time per step (s, stacked)", TIME_PHASES),
     ]
 
@@ -69,7 +73,8 @@ def build_figure(rows: list):
 
     keys = {k for r in rows for k in r}
     layout = panels(keys)
-    fig, axes = plt.subplots(4, 2, figsize=(14, 13), sharex=True, squeeze=False)
+    rows_n = math.ceil(len(layout) / 2)
+    fig, axes = plt.subplots(rows_n, 2, figsize=(14, 3.25 * rows_n), sharex=True, squeeze=False)
     for ax, (title, series) in zip(axes.flat, layout):
         ax.set_title(title, fontsize=11)
         ax.grid(alpha=0.3)
@@ -91,6 +96,8 @@ def build_figure(rows: list):
         else:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
                     color="grey")
+    for ax in list(axes.flat)[len(layout):]:
+        ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"mgrpo run: {len(rows)} steps", fontsize=13)

@@ -140,3 +140,7 @@ def test_tiny_moe_task_learns_at_ep2(tmp_path):
     print(f"tiny MoE at EP2: reward first5 {first:.4f} last5 {last:.4f}; last moe/aux_loss {rows[-1]['moe/aux_loss']}")
     assert last >= first + 0.2
     assert all(f"moe/layer_{i:02d}/tokens_per_expert_cv" in rows[0] for i in range(4))
+    from mgrpo.report import panels
+
+    assert any(title.startswith("Experts (MoE)") for title, _ in panels(rows[0].keys()))
+    assert (out / "report.png").stat().st_size > 10_000
