@@ -116,7 +116,8 @@ def test_moe_layout_errors_are_one_line(tiny_dirs, tmp_path, case):
 
 
 def test_tiny_moe_task_learns_at_ep2(tmp_path):
-    """examples/tiny_moe_cpu.yaml under torchrun at EP2 (DP2 x EP2): the reward rises and moe/ metrics are logged."""
+    """examples/tiny_moe_cpu.yaml under torchrun at EP2 (DP2 x EP2) with routing replay (the HF engine's records
+    broadcast with the samples to both ranks): the reward rises, moe/ metrics and the experts panel are logged."""
     from mgrpo.parallel.distributed import free_port
 
     import yaml
@@ -131,6 +132,7 @@ def test_tiny_moe_task_learns_at_ep2(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "launch/train_grpo.py", "--config", str(tmp_path / "moe.yaml"), "--ep", "2",
+           "--algorithm.routing_replay", "true",
            "--data.path", os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -140,6 +142,7 @@ def test_tiny_moe_task_learns_at_ep2(tmp_path):
     print(f"tiny MoE at EP2: reward first5 {first:.4f} last5 {last:.4f}; last moe/aux_loss {rows[-1]['moe/aux_loss']}")
     assert last >= first + 0.2
     assert all(f"moe/layer_{i:02d}/tokens_per_expert_cv" in rows[0] for i in range(4))
+    assert all(r["moe/router_agreement"] > 0.99 for r in rows)  # fp32 engine and trainer: the same experts
     from mgrpo.report import panels
 
     assert any(title.startswith("Experts (MoE)") for title, _ in panels(rows[0].keys()))
