@@ -123,6 +123,8 @@ class RemoteConfig:
 class RolloutConfig:
     engine: str = "hf"  # hf (in-process) | vllm (colocated child) | remote (vLLM servers) | sglang (SGLang servers)
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
+    mode: str = "sync"  # sync | one_step_off | async: generation of later batches overlaps training (producer.py)
+    max_staleness: Optional[int] = None  # versions a trained sample may lag (one_step_off: 1; async: default 2)
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
     max_inflight: int = 256  # single turn: requests per engine call; several in flight only for async engines
     request_timeout_s: float = 600.0  # an engine call that takes longer fails the step, naming the engine
@@ -409,9 +411,9 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    from mgrpo.config_checks import (check_algorithm_names, check_algorithm_numbers, check_checkpoint, check_data,
-                                     check_eval, check_logging, check_remote, check_rewards, check_sampling, check_scheduler,
-                                     check_vllm)
+    from mgrpo.config_checks import (async_problems, check_algorithm_names, check_algorithm_numbers,
+                                     check_checkpoint, check_data, check_eval, check_logging, check_remote,
+                                     check_rewards, check_sampling, check_scheduler, check_vllm)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
@@ -453,6 +455,7 @@ def validate(cfg: Config) -> list[str]:
         e += must("train.min_lr", t.min_lr, 0 <= t.min_lr <= t.lr, f"in [0, train.lr={t.lr}]",
                   "the LR the schedule decays to, e.g. 0")
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
+    e += async_problems(cfg)
     return e
 
 
@@ -532,6 +535,11 @@ def _resolve_algorithm(cfg: Config, data: dict, overrides: dict) -> None:
         values = preset_values(name, {k for k, v in sources.items() if v != "default"})
         cfg.algorithm = dataclasses.replace(cfg.algorithm, **values)
         sources.update({k: f"preset {name}" for k in values})
+    from mgrpo.rollout.producer import staleness_bound
+
+    if staleness_bound(cfg.rollout) > 0 and sources["rollout_is_mode"] == "default":  # off-policy: correct it
+        cfg.algorithm.rollout_is_mode = "token_truncate"
+        sources["rollout_is_mode"] = f"rollout.mode={cfg.rollout.mode}"
     cfg._algorithm_sources = sources
 
 

@@ -293,3 +293,21 @@ def routing_replay_problems(cfg, model_info, cuda: bool) -> list:
         return [f"algorithm.routing_replay=true with rollout.engine={engine}: only the hf and colocated vllm engines "
                 f"report routed experts so far; use one of them or set routing_replay to false"]
     return []
+
+
+def async_problems(cfg) -> list:
+    """rollout.mode / max_staleness: the values and the combinations the producer cannot run."""
+    r, e = cfg.rollout, []
+    if r.mode not in ("sync", "one_step_off", "async"):
+        return [f"rollout.mode={r.mode!r}: use sync, one_step_off or async"]
+    if r.mode == "sync" and r.max_staleness not in (None, 0):
+        e.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode=sync: set rollout.mode to async")
+    if r.mode == "one_step_off" and r.max_staleness not in (None, 1):
+        e.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off (always 1): use "
+                 f"rollout.mode=async for another bound")
+    if r.max_staleness is not None and r.max_staleness < 0:
+        e.append(f"rollout.max_staleness={r.max_staleness} must be >= 0")
+    if r.mode != "sync" and cfg.algorithm.dynamic_sampling:
+        e.append(f"rollout.mode={r.mode} with algorithm.dynamic_sampling: DAPO's resampling rounds depend on the "
+                 f"step's own rewards; use rollout.mode=sync")
+    return e

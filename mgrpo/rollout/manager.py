@@ -141,18 +141,27 @@ class RolloutManager:
                 n: int | None = None, tag: str = "") -> list:
         """Each engine owner generates and scores its share of `rows`; every rank gets every sample, sorted by
         group (or every rank raises the first owner's error)."""
+        return self.share(self.generate_local(rows, step, round_, sampling, n, tag))
+
+    def generate_local(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
+                       n: int | None = None, tag: str = "") -> dict:
+        """This owner's share of `rows`, generated and scored, as a JSON-safe payload (no collective: a background
+        producer may run it; ranks without an engine return an empty one)."""
         from mgrpo.rewards.registry import score
 
-        payload = {"samples": []}
-        if self.engine is not None:
-            try:
-                samples = self.generate_share(rows, step, round_, sampling, n, tag)
-                r = self.cfg.reward
-                score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
-                fail_aborted(samples)  # trajectories that raised train nothing
-                payload = {"samples": [asdict(s) for s in samples]}
-            except Exception as exc:  # every rank must leave the collective below, then fail together
-                payload = {"error": f"step {step}: {type(exc).__name__}: {exc}"}
+        if self.engine is None:
+            return {"samples": []}
+        try:
+            samples = self.generate_share(rows, step, round_, sampling, n, tag)
+            r = self.cfg.reward
+            score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
+            fail_aborted(samples)  # trajectories that raised train nothing
+            return {"samples": [asdict(s) for s in samples]}
+        except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
+            return {"error": f"step {step}: {type(exc).__name__}: {exc}"}
+
+    def share(self, payload: dict) -> list:
+        """Every owner's payload to every rank (a collective): all samples sorted by group, or the first error."""
         gathered = share_json(payload, self.owners)
         errors = [p["error"] for p in gathered if "error" in p]
         if errors:

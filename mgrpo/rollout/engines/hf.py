@@ -8,6 +8,7 @@ first real token and padding masked out of attention, so padding changes no logp
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -64,6 +65,10 @@ class HFEngine:
         self._expected = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in self._params.items()}
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._optional = ("lm_head.weight",) if tied and "lm_head.weight" not in self._params else ()
+        # an update waits for generation in flight and new generation waits for an update (a background producer
+        # may generate while the trainer pushes weights): no response mixes versions
+        self._gate, self._inflight, self._updating = threading.Condition(), 0, False
+        self._one_at_a_time = threading.Lock()  # two threads' forwards would mix their MoE routing records
         # MoE routers in layer order: each forward records the experts every input token went to
         self._routers = [m for n, m in self.model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
 
@@ -134,10 +139,19 @@ class HFEngine:
         return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
 
     def generate_sync(self, requests: list, sampling: SamplingParams) -> list:
-        out = []
-        for start in range(0, len(requests), self.max_num_seqs):
-            out += self._generate_batch(requests[start: start + self.max_num_seqs], sampling)
-        return out
+        with self._gate:
+            self._gate.wait_for(lambda: not self._updating)
+            self._inflight += 1
+        try:
+            out = []
+            with self._one_at_a_time:
+                for start in range(0, len(requests), self.max_num_seqs):
+                    out += self._generate_batch(requests[start: start + self.max_num_seqs], sampling)
+            return out
+        finally:
+            with self._gate:
+                self._inflight -= 1
+                self._gate.notify_all()
 
     async def generate(self, requests: list, sampling: SamplingParams) -> list:
         """Runs inline: the engine computes in this process and never waits on I/O, so there is nothing for a
@@ -148,7 +162,19 @@ class HFEngine:
     def update_weights(self, buckets, version: int) -> dict:
         """All or nothing: every bucket is checked (digest where it has one, and the manifest against this
         model: nothing unknown, nothing twice, right shapes and dtypes, nothing left out) before one tensor is
-        copied, so a broken update leaves the served weights and version as they were."""
+        copied, so a broken update leaves the served weights and version as they were. Waits for generation in
+        flight to finish; generation asked for meanwhile waits for the update."""
+        with self._gate:
+            self._updating = True
+            self._gate.wait_for(lambda: self._inflight == 0)
+        try:
+            return self._update(buckets, version)
+        finally:
+            with self._gate:
+                self._updating = False
+                self._gate.notify_all()
+
+    def _update(self, buckets, version: int) -> dict:
         check = ManifestCheck(self._expected, optional=self._optional, receiver=f"engine {self.name}")
         staged = []
         for bucket in buckets:

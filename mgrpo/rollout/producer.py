@@ -1,0 +1,122 @@
+"""Rollout batches for the trainer, generated ahead while it trains (`rollout.mode`).
+
+sync: step s's batch is generated at step s, with the weights of the step before it. one_step_off (ms-swift's
+async_generate, verl's one-step-off trainer) and async keep the batches of the next `max_staleness` steps in
+flight: at step s the producer generates steps s+1..s+k on the engine owners' background thread while the trainer
+trains on step s. Prompts are drawn in step order on every rank, as in sync, so step s trains the same prompts
+with the same sampling seeds in every mode; only the weights that generated them differ.
+
+A weight push between optimizer steps waits for the engine's call in flight (every engine pauses new generation
+for an update and lets the running call finish: vLLM's server gate, the HF engine's, SGLang's `pause_generation`
+mode `abort` is not used), so each batch comes from one weight version and no response mixes versions.
+Staleness = the version being trained - the version that generated a sample; groups over `max_staleness` are
+dropped and counted (with this producer they never are unless a run is resumed with a smaller bound).
+`max_staleness: 0` in async mode runs the same machinery with nothing ahead: bitwise the sync run.
+
+Off-policy correction (on by default whenever batches may be stale, max_staleness >= 1; config.py): the PPO ratio's old policy is the trainer's own
+policy before this step's update (AReaL's proximal policy), and the engine's logprobs are the behaviour policy of
+a truncated importance weight on every token (TIS, `algorithm.rollout_is_mode: token_truncate`):
+    L = -sum_t min(pi_old_t / pi_engine_t, C) * min(r_t A, clip(r_t, 1 - eps, 1 + eps) A),  r_t = pi_t / pi_old_t
+(AReaL's decoupled PPO, areal/utils/functional/functional.py `ppo_actor_loss_fn`; verl's rollout correction,
+verl/trainer/ppo/rollout_corr_helper.py). With one update per batch pi_old is the current policy detached.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from mgrpo.rollout.types import Sample
+
+
+def staleness_bound(rollout_cfg) -> int:
+    """Batches generated ahead: 0 in sync mode, 1 one_step_off, max_staleness (default 2) async."""
+    if rollout_cfg.mode not in ("one_step_off", "async"):
+        return 0
+    if rollout_cfg.mode == "one_step_off":
+        return 1
+    return 2 if rollout_cfg.max_staleness is None else rollout_cfg.max_staleness
+
+
+class _Shared(list):
+    """A batch already on every rank (shared at a checkpoint, or restored from one)."""
+
+
+class RolloutProducer:
+    """Batches by step, generated up to `k` steps ahead on owners; `batch(step, version)` on every rank."""
+
+    def __init__(self, cfg, manager, prompts, total_steps: int):
+        self.cfg, self.manager, self.prompts, self.total = cfg, manager, prompts, total_steps
+        self.k = staleness_bound(cfg.rollout)
+        self.threaded = cfg.rollout.mode != "sync"
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.threaded else None
+        self.pending = {}  # step -> rows (sync), Future of the owner's payload, None (no engine here), or _Shared
+        self.next_draw = None  # the first step whose prompts are not drawn yet
+        self.idle_since, self.idle = time.perf_counter(), 0.0  # the engine waiting for the trainer (owners)
+
+    def _generate(self, rows: list, step: int) -> dict:
+        """One batch on this owner's engine; the gap since the previous batch ended is engine idle time (a batch
+        queued behind another starts when it ends: no gap)."""
+        start = time.perf_counter()
+        self.idle += start - self.idle_since
+        try:
+            return self.manager.generate_local(rows, step)
+        finally:
+            self.idle_since = time.perf_counter()
+
+    def _draw_through(self, last: int) -> None:
+        """Draw prompts (every rank, in step order) and start generation (owners, threaded modes) up to `last`."""
+        while self.next_draw <= min(last, self.total - 1):
+            step, rows = self.next_draw, self.prompts.next_batch()
+            if not self.threaded:
+                self.pending[step] = rows  # generated in the main thread when its step asks for it
+            else:
+                self.pending[step] = self.pool.submit(self._generate, rows, step) if self.manager.engine else None
+            self.next_draw += 1
+
+    def batch(self, step: int, version: int) -> tuple:
+        """(samples of `step` every rank trains on, async/ and timing/wait_* metrics)."""
+        if self.next_draw is None:
+            self.next_draw = step
+        self._draw_through(step + self.k)
+        t0 = time.perf_counter()
+        entry = self.pending.pop(step)
+        if isinstance(entry, _Shared):
+            samples = list(entry)
+        elif not self.threaded:
+            samples = self.manager.share(self._generate(entry, step) if self.manager.engine else {"samples": []})
+        else:
+            samples = self.manager.share(entry.result() if entry is not None else {"samples": []})
+        waited = time.perf_counter() - t0
+        samples, dropped, stale = self._fresh(samples, version)
+        metrics = {"timing/wait_rollout": waited, "timing/wait_train": self.idle, "async/discarded": dropped,
+                   "async/staleness_mean": sum(stale) / max(len(stale), 1), "async/staleness_max": max(stale, default=0)}
+        self.idle = 0.0
+        return samples, metrics
+
+    def _fresh(self, samples: list, version: int) -> tuple:
+        """Samples whose group is within the staleness bound, how many were dropped, and the kept ones' staleness."""
+        too_old = {s.group_id for s in samples if version - s.weight_version > self.k}
+        kept = [s for s in samples if s.group_id not in too_old]
+        return kept, len(samples) - len(kept), [version - s.weight_version for s in kept]
+
+    def settle(self) -> list:
+        """Wait for every batch in flight and share it (a collective): [[step, [sample dicts]]] for a checkpoint,
+        so a resumed run trains exactly these batches (they came from weights it will no longer have)."""
+        from dataclasses import asdict
+
+        for step in sorted(self.pending):
+            entry = self.pending[step]
+            if self.threaded and not isinstance(entry, _Shared):
+                self.pending[step] = _Shared(self.manager.share(entry.result() if entry is not None
+                                                                else {"samples": []}))
+        return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]
+
+    def restore(self, saved: list, next_step: int) -> None:
+        """The batches a checkpoint stored as in flight, ready for their steps (their prompts were drawn already)."""
+        for step, samples in saved or []:
+            self.pending[int(step)] = _Shared(Sample(**d) for d in samples)
+        self.next_draw = max([next_step] + [int(step) + 1 for step, _ in saved or []])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
