@@ -25,6 +25,9 @@ def panels(keys) -> list:
     moe = [("Experts (MoE): load balance and router agreement", ["moe/tokens_per_expert_cv", "moe/max_load_over_mean",
                                                                    "moe/aux_loss", "moe/router_agreement"])] \
         if any(k.startswith("moe/") for k in keys) else []
+    ahead = [("Asynchronous rollout: staleness (versions), drops, waits (s)",
+              ["async/staleness_mean", "async/staleness_max", "async/discarded", "timing/wait_rollout",
+               "timing/wait_train"])] if any(k.startswith("async/") for k in keys) else []
     return [
         ("Reward (mean per step)", ["reward/mean"] + per_function),
         ("Response length (tokens)", ["response_length/mean", "response_length/max"]),
@@ -34,7 +37,7 @@ def panels(keys) -> list:
                                                    "actor/dual_clip_frac"]),
         ("Gradient norm (before clipping)", ["actor/grad_norm"]),
         ("Throughput (response tokens / s)", ["perf/tokens_per_s"]),
-        *moe,
+        *moe, *ahead,
         ("Time per step (s, stacked)", TIME_PHASES),
     ]
 

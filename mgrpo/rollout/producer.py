@@ -74,7 +74,7 @@ class RolloutProducer:
             self.next_draw += 1
 
     def batch(self, step: int, version: int) -> tuple:
-        """(samples of `step` every rank trains on, async/ and timing/wait_* metrics)."""
+        """(samples of `step` every rank trains on, async/ and timing/wait_* metrics: in the ahead modes only)."""
         if self.next_draw is None:
             self.next_draw = step
         self._draw_through(step + self.k)
@@ -91,7 +91,7 @@ class RolloutProducer:
         metrics = {"timing/wait_rollout": waited, "timing/wait_train": self.idle, "async/discarded": dropped,
                    "async/staleness_mean": sum(stale) / max(len(stale), 1), "async/staleness_max": max(stale, default=0)}
         self.idle = 0.0
-        return samples, metrics
+        return samples, metrics if self.threaded else {}
 
     def _fresh(self, samples: list, version: int) -> tuple:
         """Samples whose group is within the staleness bound, how many were dropped, and the kept ones' staleness."""
