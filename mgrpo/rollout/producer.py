@@ -65,7 +65,7 @@ class RolloutProducer:
 
     def _draw_through(self, last: int) -> None:
         """Draw prompts (every rank, in step order) and start generation (owners, threaded modes) up to `last`."""
-        while self.next_draw <= min(last, self.total - 1):
+        while self.next_draw <= last:
             step, rows = self.next_draw, self.prompts.next_batch()
             if not self.threaded:
                 self.pending[step] = rows  # generated in the main thread when its step asks for it
@@ -77,7 +77,7 @@ class RolloutProducer:
         """(samples of `step` every rank trains on, async/ and timing/wait_* metrics: in the ahead modes only)."""
         if self.next_draw is None:
             self.next_draw = step
-        self._draw_through(step + self.k)
+        self._draw_through(max(step, min(step + self.k, self.total - 1)))  # nothing ahead past the run's last step
         t0 = time.perf_counter()
         entry = self.pending.pop(step)
         if isinstance(entry, _Shared):

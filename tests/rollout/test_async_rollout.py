@@ -15,7 +15,7 @@ import torch
 from mgrpo.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NOISE = ("timing/", "perf/", "async/wait")
+NOISE = ("timing/", "perf/", "async/")  # times, and the ahead modes' own metrics
 
 
 def make(tmp_path, tiny_dirs, *extra):
