@@ -16,7 +16,8 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
+
+from mgrpo.models.routing import StepSums, moe_routers, router_order
 
 _VALID = None  # [batch, seq] bool of the micro-batch being run, or None (every token counts)
 
@@ -32,26 +33,18 @@ def tokens_of(valid):
         _VALID = prev
 
 
-class RouterStats:
+class RouterStats(StepSums):
     """Hooks on every router of `chunks`; `collect()` turns on counting, `reduce()` returns the step's metrics."""
 
     def __init__(self, chunks: list, num_layers: int, num_experts: int, topk: int, sequence_parallel: bool):
-        self.num_layers, self.num_experts, self.topk, self.sp = num_layers, num_experts, topk, sequence_parallel
-        self.active = False
-        self.sums = torch.zeros(num_layers, 2 * num_experts + 1, dtype=torch.float64)
-        self.layers = []
-        for chunk in chunks:
-            for layer in chunk.decoder.layers:
-                router = getattr(layer.mlp, "router", None)
-                if router is not None:
-                    router.register_forward_hook(self._hook(layer.layer_number - 1))
-                    self.layers.append(layer.layer_number - 1)
+        super().__init__(num_layers, 2 * num_experts + 1)
+        self.num_experts, self.topk, self.sp = num_experts, topk, sequence_parallel
+        for g, router in moe_routers(chunks):
+            router.register_forward_hook(self._hook(g))
 
     def _valid_tokens(self):
         if _VALID is None:
             return None
-        from mgrpo.models.routing import router_order
-
         return router_order(_VALID, self.sp).to(torch.bool)  # megatron's token order, this TP rank's chunk
 
     def _hook(self, layer: int):
@@ -71,21 +64,9 @@ class RouterStats:
                 row[-1] += scores.shape[0]
         return hook
 
-    @contextlib.contextmanager
-    def collect(self):
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
-
     def reduce(self, group=None) -> dict:
         """The step's metrics (a collective over `group`, default the world); the sums start again from zero."""
-        sums = self.sums.clone()
-        self.sums.zero_()
-        if dist.is_initialized():
-            dist.all_reduce(sums, group=group)
-        return router_metrics(sums, self.num_experts, self.topk)
+        return router_metrics(self.take(group), self.num_experts, self.topk)
 
 
 def router_metrics(sums: torch.Tensor, num_experts: int, topk: int) -> dict:

@@ -56,6 +56,39 @@ def router_order(t: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return t.reshape(-1, *t.shape[2:])
 
 
+def moe_routers(chunks: list):
+    """(global layer index, megatron router) of every MoE layer in `chunks`."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                yield layer.layer_number - 1, router
+
+
+class StepSums:
+    """Per-layer float64 sums a training step accumulates while `collect()` is on; `take()` adds them over ranks."""
+
+    def __init__(self, rows: int, cols: int):
+        self.active = False
+        self.sums = torch.zeros(rows, cols, dtype=torch.float64)
+
+    @contextlib.contextmanager
+    def collect(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def take(self, group=None) -> torch.Tensor:
+        """The step's sums over `group` (a collective; default the world); counting starts again from zero."""
+        sums = self.sums.clone()
+        self.sums.zero_()
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=group)
+        return sums
+
+
 class RecordedTopK:
     """Stands in for megatron's per-router `RouterReplay` (the router passes it to its top-k): the router's own
     top-k, then, where the engine recorded this token's experts, those experts (replay on) or only the agreement
@@ -79,35 +112,18 @@ class RecordedTopK:
         return scores.gather(1, idx), idx
 
 
-class RoutingReplay:
+class RoutingReplay(StepSums):
     """Installs RecordedTopK on every MoE router of `chunks`; `collect()` counts agreement, `reduce()` reports it."""
 
     def __init__(self, chunks: list, info, replay: bool, sequence_parallel: bool):
-        self.replay, self.sp, self.active = replay, sequence_parallel, False
-        self.sums = torch.zeros(info.num_hidden_layers, 2, dtype=torch.float64)
-        ordinals = {g: sum(info.moe.sparse_layers[:g]) for g in range(info.num_hidden_layers)}
-        for chunk in chunks:
-            for layer in chunk.decoder.layers:
-                router = getattr(layer.mlp, "router", None)
-                if router is not None:
-                    g = layer.layer_number - 1
-                    router.router_replay = RecordedTopK(self, g, ordinals[g])
-
-    @contextlib.contextmanager
-    def collect(self):
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
+        super().__init__(info.num_hidden_layers, 2)
+        self.replay, self.sp = replay, sequence_parallel
+        for g, router in moe_routers(chunks):
+            router.router_replay = RecordedTopK(self, g, sum(info.moe.sparse_layers[:g]))
 
     def reduce(self, group=None) -> dict:
-        sums = self.sums.clone()
-        self.sums.zero_()
-        if dist.is_initialized():
-            dist.all_reduce(sums, group=group)
         out, agree, total = {}, 0.0, 0.0
-        for g, (same, n) in enumerate(sums.tolist()):
+        for g, (same, n) in enumerate(self.take(group).tolist()):
             if n:
                 out[f"moe/layer_{g:02d}/router_agreement"] = same / n
                 agree, total = agree + same, total + n
