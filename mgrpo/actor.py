@@ -24,9 +24,14 @@ from mgrpo.resharding.load import load_hf
 class Actor:
     def __init__(self, cfg, model_dir: str, train: bool = True):
         self.cfg = cfg
+        lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
         chunks = build_model(model_dir, cfg.parallel, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                             seed=cfg.train.seed, moe=cfg.model.moe)
+                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if lora else None)
         load_hf(chunks, model_dir)
+        if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
+            from mgrpo.models.lora import apply_lora
+
+            apply_lora(chunks, cfg.model.lora, cfg.train.seed)
         self.info = chunks[0].mgrpo_info
         self.config = chunks[0].config
         self.chunks, self.optimizer, self.scheduler = chunks, None, None
@@ -204,6 +209,26 @@ class Actor:
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.num_steps = 0
             self.scheduler.step(increment=state["scheduler"]["num_steps"])
+
+
+class BasePolicy:
+    """A LoRA actor with its adapters off: the KL reference at no memory cost (ms-swift's null_ref_context)."""
+
+    def __init__(self, actor: Actor):
+        self.actor = actor
+
+    def logprobs(self, microbatches: list, entropy: bool = False):
+        from mgrpo.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.models()):
+            return self.actor.logprobs(microbatches, entropy=entropy)
+
+
+def reference_policy(cfg, actor: Actor):
+    """The KL reference: None without a KL term; the base (adapters off) for LoRA; else a frozen copy."""
+    if cfg.algorithm.kl_coef <= 0:
+        return None
+    return BasePolicy(actor) if cfg.model.lora.rank > 0 else Actor(cfg, cfg.model.path, train=False)
 
 
 def optimizer_steps(t, rollout_steps: int) -> int:

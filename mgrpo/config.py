@@ -65,12 +65,22 @@ class MoeConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (models/lora.py); rank 0 = full-parameter training."""
+    rank: int = 0
+    alpha: float = 16.0  # scaling = alpha / rank, as PEFT
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["all-linear"])  # HF names (q_proj ... down_proj)
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # HF folder (config.json, safetensors, tokenizer)
     tiny: Optional[TinyModelConfig] = None  # if set, a tiny model is written to `path` when it is missing
     make_vocab_size_divisible_by: int = 128
     params_dtype: str = "float32"  # float32 | bfloat16
     moe: MoeConfig = field(default_factory=MoeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -135,6 +145,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off; the engine samples with exactly temperature/top_p/top_k, nothing from generation_config
     max_tokens: int = 32
     update_bucket_mb: int = 256  # weight-sync bucket size
+    lora_sync: str = "merged"  # LoRA runs: merged (base + B·A, any engine) | adapter (PEFT adapter only, vLLM engines)
     scheduler: Optional[str] = None  # null: single turn, batched | tool_call | math_tips | gym | single_turn | a plugin's
     scheduler_kwargs: dict = field(default_factory=dict)  # to the scheduler, e.g. {gym_env: guess_number}
     max_turns: Optional[int] = None  # engine calls per trajectory; null: until the scheduler stops (ms-swift)
@@ -413,7 +424,7 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (async_problems, check_algorithm_names, check_algorithm_numbers,
                                      check_checkpoint, check_data, check_eval, check_logging, check_remote,
-                                     check_rewards, check_sampling, check_scheduler, check_vllm)
+                                     check_rewards, check_sampling, check_scheduler, check_vllm, lora_problems)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
@@ -455,7 +466,7 @@ def validate(cfg: Config) -> list[str]:
         e += must("train.min_lr", t.min_lr, 0 <= t.min_lr <= t.lr, f"in [0, train.lr={t.lr}]",
                   "the LR the schedule decays to, e.g. 0")
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
-    e += async_problems(cfg)
+    e += async_problems(cfg) + lora_problems(cfg)
     return e
 
 
@@ -479,6 +490,9 @@ def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> lis
         from mgrpo.config_checks import routing_replay_problems
 
         e += routing_replay_problems(cfg, model_info, cuda)
+    from mgrpo.config_checks import lora_layout_problems
+
+    e += lora_layout_problems(cfg.model.lora, model_info)
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
         e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "

@@ -311,3 +311,48 @@ def async_problems(cfg) -> list:
         e.append(f"rollout.mode={r.mode} with algorithm.dynamic_sampling: DAPO's resampling rounds depend on the "
                  f"step's own rewards; use rollout.mode=sync")
     return e
+
+
+def lora_problems(cfg) -> list:
+    """model.lora and rollout.lora_sync: values only (lora_layout_problems checks them against the model)."""
+    from mgrpo.models.lora import ALL_LINEAR, lora_targets
+
+    lo, e = cfg.model.lora, []
+    if cfg.rollout.lora_sync not in ("merged", "adapter"):
+        e.append(f"rollout.lora_sync={cfg.rollout.lora_sync!r}: use merged or adapter")
+    if not isinstance(lo.rank, int) or lo.rank < 0:
+        return e + [f"model.lora.rank={lo.rank!r} must be an integer >= 0 (0 = full-parameter training)"]
+    if lo.rank == 0:
+        return e
+    e += must("model.lora.alpha", lo.alpha, lo.alpha > 0, "> 0", "scaling is alpha / rank, e.g. 2 x rank")
+    e += must("model.lora.dropout", lo.dropout, 0 <= lo.dropout < 1, "in [0, 1)")
+    try:
+        lora_targets(lo)
+    except ValueError as err:
+        e.append(f"model.lora.target_modules: {err}; use all-linear or some of {', '.join(ALL_LINEAR)}")
+    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine not in ("vllm", "remote"):
+        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only vLLM engines load "
+                 f"adapters; use rollout.lora_sync=merged")
+    return e
+
+
+def lora_layout_problems(lora, model_info) -> list:
+    """LoRA against the model: a rank no larger than the smallest adapted dimension, no adapters on experts."""
+    if not lora.rank:
+        return []
+    from mgrpo.models.lora import _sizes, lora_targets
+
+    try:
+        targets = lora_targets(lora)
+    except ValueError:
+        return []  # lora_problems says so
+    e, sizes = [], _sizes(model_info)
+    smallest = min(min(sizes[t]) for t in targets)
+    if lora.rank > smallest:
+        e.append(f"model.lora.rank={lora.rank} exceeds the smallest adapted dimension ({smallest}); choose a rank "
+                 f"<= {smallest}")
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if model_info.moe is not None and mlp and all(model_info.moe.sparse_layers):
+        e.append(f"model.lora.target_modules {', '.join(mlp)} on a model whose every MLP is experts: LoRA on experts "
+                 f"is not supported; use q_proj, k_proj, v_proj, o_proj")
+    return e

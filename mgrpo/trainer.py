@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from mgrpo.actor import Actor
+from mgrpo.actor import Actor, reference_policy
 from mgrpo.checkpoint import Saver, load_training_state, pause_point
 from mgrpo.data.batching import build_generation_batch, describe_batching, sequence_kl
 from mgrpo.data.dataset import PromptStream, load_run_data
@@ -41,7 +41,7 @@ class GRPOTrainer:
         train_set, val_set = data or load_run_data(cfg, self.tokenizer)
         self.prompts = PromptStream(train_set.rows, cfg.rollout.prompts_per_step, cfg.data.shuffle, cfg.train.seed)
         self.actor = Actor(cfg, cfg.model.path)
-        self.ref = Actor(cfg, cfg.model.path, train=False) if cfg.algorithm.kl_coef > 0 else None
+        self.ref = reference_policy(cfg, self.actor)  # None without KL; LoRA: the base, adapters off
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
         self.transport = make_transport(cfg, self.engine)  # on engine owners (collective: on every rank)

@@ -29,6 +29,12 @@ LAUNCHES = {
         "tp2-cp2", "dp2-cp2", "pp2-cp2", "tp2-cp2-loss_gspo", "dp2-cp2-loss_gspo", "pp2-cp2-loss_gspo"],
     8: ["tp2-pp2-dp2", "tp2-pp2-dp2-distopt"],
 }
+# LoRA (rank 4 on all seven HF linears, adapters from HF+PEFT with a random B) against a TP1 LoRA run in-process;
+# tp2-loraswap is the negative control (each TP rank holds another rank's shard of layer 0's q_proj B).
+LAUNCHES[2] += ["lora:tp2", "lora:tp2-sp", "lora:pp2", "lora:tp2-loraswap"]
+LAUNCHES[4] += ["lora:tp2-pp2", "lora:tp2-dp2-distopt", "lora:tp2-pp2-vpp2-sp"]
+LORA_ARGS = ["--model.lora.rank", "4", "--model.lora.alpha", "8"]
+LORA_ADAPTER = "lora_adapter.safetensors"  # in the launch's output folder
 # Qwen3-MoE (8 experts, top-2, a dense layer among sparse ones): EP2 (DP2), TP2xEP2 (SP: megatron needs it with
 # MoE and TP; it also saves a checkpoint for the converter), PP2xEP2, DP4xEP2 (expert-data-parallel 2), CP2xEP2;
 # ep2-swapexperts is the negative control.
@@ -101,10 +107,51 @@ def run_all_launches(tiny_dirs, tmp_path_factory):
     for k in (2, 4):  # the first of k mini-batches: its own samples, its own aggregation counts
         run_layout(ref_cfg, model, samples[: len(samples) // k], str(out), f"tp1-mb{k}")
     run_export_roundtrip(ref_cfg, model, str(out), "roundtrip-tp1")
+    make_peft_adapter(model, str(out / LORA_ADAPTER))
+    lora_cfg = load_config(argv=["--model.path", model, "--data.path", str(path), "--train.lr", "0.01",
+                                 "--train.adam_eps", "0.001", "--train.micro_batch_size", "2", *LORA_ARGS])
+    run_layout(lora_cfg, model, samples, str(out), "tp1-lora", corrupt=lora_loader(str(out / LORA_ADAPTER)))
     _launch_all(LAUNCHES, model, path, out)
     res = Results(str(out))
     res.model_dir = model
     return res
+
+
+def make_peft_adapter(model_dir: str, path: str, rank: int = 4, alpha: int = 8, seed: int = 5) -> dict:
+    """A PEFT LoRA on all seven linears with B random too (init_lora_weights=False), saved as PEFT keys."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    tensors = {k.replace(".default", ""): v.detach().contiguous() for k, v in peft.state_dict().items() if "lora_" in k}
+    save_file(tensors, path)
+    return tensors
+
+
+def lora_loader(path: str, swap: bool = False):
+    """An Actor hook (run_layout's `corrupt`): the adapters from `path`; `swap`: the negative control."""
+    from safetensors.torch import load_file
+
+    from mgrpo.models.lora import adapters, load_peft_tensors
+
+    def load(actor):
+        load_peft_tensors(actor.models(), load_file(path))
+        if swap:
+            import torch.distributed as dist
+            from megatron.core import parallel_state as mpu
+
+            first = next((a for a in adapters(actor.models()) if a.layer == 0 and a.linear_name == "linear_qkv"), None)
+            if first is not None:
+                b, group = first.q_proj_B, mpu.get_tensor_model_parallel_group()
+                parts = [torch.empty_like(b) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, b.detach().contiguous(), group=group)
+                with torch.no_grad():
+                    b.copy_(parts[(mpu.get_tensor_model_parallel_rank() + 1) % len(parts)])
+    return load
 
 
 

@@ -157,12 +157,12 @@ def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _block_spec(config, info: ModelInfo, vp_stage):
+def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None):
     """This chunk's layer specs: the MoE layer where info.moe says a layer is sparse, the dense one elsewhere."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    use_te = have_transformer_engine()
+    use_te = have_transformer_engine() if use_te is None else use_te
     dense = add_hf_biases(layer_spec(config, use_te), info)
     if info.moe is None and use_te:
         return dense  # TE's spec brings its own final norm
@@ -181,9 +181,9 @@ def _block_spec(config, info: ModelInfo, vp_stage):
 
 def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "float32",
                 make_vocab_size_divisible_by: int = 128, config_overrides: Optional[dict] = None,
-                seed: int = 1234, moe=None) -> list:
+                seed: int = 1234, moe=None, use_te: Optional[bool] = None) -> list:
     """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first. `moe`: the
-    config's MoeConfig (a model with experts only)."""
+    config's MoeConfig (a model with experts only). `use_te`: None = TransformerEngine's spec where it imports."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
@@ -198,7 +198,7 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
-            config=config, transformer_layer_spec=_block_spec(config, info, stage), vocab_size=vocab,
+            config=config, transformer_layer_spec=_block_spec(config, info, stage, use_te), vocab_size=vocab,
             max_sequence_length=info.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

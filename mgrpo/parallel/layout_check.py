@@ -15,6 +15,7 @@ from megatron.core import parallel_state as mpu
 
 from mgrpo.data.microbatch import dp_shard, make_microbatches
 from mgrpo.loss.aggregation import token_weights
+from mgrpo.models.lora import has_lora, peft_tensors
 from mgrpo.resharding.export import export_hf, full_hf_tensors
 
 
@@ -67,7 +68,9 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     dist.all_reduce(loss, group=mpu.get_data_parallel_group(with_context_parallel=True))
     dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())  # only the last stage has a loss
     if not cfg.train.use_distributed_optimizer:  # its grad buffers hold reduce-scattered shards only
-        grads = dict(full_hf_tensors(actor.chunks, lambda p: p.main_grad.clone()))
+        main_grad = lambda p: p.main_grad.clone()  # noqa: E731
+        grads = dict(peft_tensors(actor.models(), main_grad) if has_lora(actor.models()) else
+                     full_hf_tensors(actor.chunks, main_grad))  # LoRA: the base is frozen, the adapters train
         if _owner():
             torch.save({"grads": grads}, os.path.join(out_dir, f"{tag}.pp{mpu.get_pipeline_model_parallel_rank()}.pt"))
     if step:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from mgrpo.models.lora import effective_weight
 from mgrpo.parallel.device import cpu_group
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.resharding.bucket import Bucket, pack_bucket
@@ -32,13 +33,13 @@ def rank_coords() -> torch.Tensor:
     return torch.stack(out)
 
 
-def _stage_params(model_chunks, select):
+def _stage_params(model_chunks):
     for chunk in model_chunks:
         model = unwrap(chunk)
         for name, param, mapping in chunk_mappings(model):
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 continue  # same tensor as embed_tokens
-            yield select(param), mapping
+            yield param, mapping
 
 
 def _plan(params: list, bucket_bytes: int, tp: int, expert_size: int) -> list:
@@ -60,14 +61,15 @@ def _full(mapping, parts: list, etp: int) -> dict:
     return mapping.unshard_ep(parts, etp) if mapping.expert else mapping.unshard(parts)
 
 
-def _gather_group(group: list, pg, size: int, etp: int = 1):
+def _gather_group(group: list, pg, size: int, etp: int = 1, select=effective_weight):
     """Full HF tensors of one bucket with one all-gather per dtype over `pg` (TP, or expert-TP x EP for experts);
     yielded one parameter at a time (a consumer that copies each away holds the gathered shards and one parameter's
-    full tensors, not the bucket's)."""
+    full tensors, not the bucket's). `select(param)` is taken bucket by bucket (a LoRA merge lives for one bucket)."""
     if size == 1:
-        for local, m in group:
-            yield from _full(m, [local], etp).items()
+        for param, m in group:
+            yield from _full(m, [select(param)], etp).items()
         return
+    group = [(select(param), m) for param, m in group]
     parts_of = {}
     for dtype in {local.dtype for local, _ in group}:
         members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
@@ -93,20 +95,21 @@ def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKE
     """(hf_name, full tensor) for this PP stage: dense parameters gathered over TP, experts over expert-TP x EP
     (every expert of the layer, named by its global index); every rank of those groups must iterate.
 
-    `select(param)` picks what to gather: the value by default, e.g. `lambda p: p.main_grad` for gradients.
+    `select(param)` picks what to gather: the value (a LoRA run's with its adapter folded in) by default, e.g.
+    `lambda p: p.main_grad` for gradients.
     `coalesce=False` gathers parameter by parameter (the benchmark's baseline). `dense`/`experts`: which of the two
     this rank takes part in (an EP peer outside the exporting replica joins only the experts' gathers).
     """
-    select = select or (lambda p: p.detach())
+    select = select or effective_weight
     tp_group, tp = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
     eg, esize = mpu.get_expert_tensor_and_model_parallel_group(), mpu.get_expert_tensor_and_model_parallel_world_size()
     etp = mpu.get_expert_tensor_parallel_world_size()
-    params = [(local, m) for local, m in _stage_params(model_chunks, select)]
+    params = list(_stage_params(model_chunks))
     for group in ([p] for p in params) if not coalesce else _plan(params, bucket_bytes, tp, esize):
         if group[0][1].expert and experts:
-            yield from _gather_group(group, eg, esize, etp)
+            yield from _gather_group(group, eg, esize, etp, select)
         elif not group[0][1].expert and dense:
-            yield from _gather_group(group, tp_group, tp)
+            yield from _gather_group(group, tp_group, tp, select)
 
 
 def _send_bucket(bucket: Bucket, dst: int) -> None:
@@ -186,14 +189,16 @@ def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     yield from _buckets_of(_stage_stream(model_chunks, bucket_bytes), bucket_bytes)
 
 
-def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True):
+def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True,
+              tensors=full_hf_tensors):
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 
     `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
     exports its own copy of the weights to its own destination (one engine per DP group), at the same time, or
     one replica after another with expert parallelism (an EP group spans replicas: each replica's export needs its
     exporter's EP peers). A destination must belong to the replica it receives from. Tensors are views or fresh
-    copies valid until the caller asks for the next bucket's worth.
+    copies valid until the caller asks for the next bucket's worth. `tensors`: what each stage streams (the weights;
+    `lora.peft_tensors` for a LoRA run's adapters only).
     """
     coords = rank_coords()
     dsts = dst if isinstance(dst, dict) else {0: dst}
@@ -202,13 +207,13 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
             raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
     if mpu.get_expert_model_parallel_world_size() > 1:
         for d in sorted(dsts):
-            yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce)
+            yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce, tensors)
     elif int(coords[dist.get_rank(), 2]) in dsts:
         d = int(coords[dist.get_rank(), 2])
-        yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce)
+        yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce, tensors)
 
 
-def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int, coalesce: bool):
+def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int, coalesce: bool, tensors):
     """Data-parallel replica d's weights to `target`, stage by stage: each stage's (d, TP0, CP0) rank gathers (with
     its TP group; experts with the ranks of its expert-data-parallel rank) and sends its buckets to the target."""
     me, ep = dist.get_rank(), mpu.get_expert_model_parallel_world_size()
@@ -217,8 +222,7 @@ def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int
         dense = int(coords[me, 2]) == d and int(coords[me, 3]) == 0
         experts = int(coords[me, 4]) == int(coords[src, 4]) if ep > 1 else dense
         if coords[me, 0] == stage and (dense or experts):
-            stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense,
-                                     experts=experts)
+            stream = tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense, experts=experts)
             if me == src == target:
                 yield from stream
             elif me == src:

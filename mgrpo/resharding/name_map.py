@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from mgrpo.models.lora import is_lora_name
 from mgrpo.resharding.mappings import QKV, Expert, GatedMLP, Mapping, Replicated, Row, Vocab
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -110,7 +111,8 @@ def chunk_mappings(chunk):
     """(megatron_name, parameter, mapping) for every parameter of a chunk, in module order."""
     padded = chunk.vocab_size
     for name, param in chunk.named_parameters():
-        yield name, param, mapping_for(chunk, name, padded)
+        if not is_lora_name(name):  # adapters have no HF tensor of their own (models/lora.py)
+            yield name, param, mapping_for(chunk, name, padded)
 
 
 def consumed_hf_names(model_chunks) -> set:
@@ -126,7 +128,7 @@ def consumed_hf_names(model_chunks) -> set:
     layer = next((layer for chunk in model_chunks for layer in chunk.decoder.layers), None)
     if layer is None:
         raise RuntimeError("consumed_hf_names: this rank holds no decoder layer to take the layer layout from")
-    suffixes = [name for name, _ in layer.named_parameters() if not name.startswith("mlp.")]
+    suffixes = [name for name, _ in layer.named_parameters() if not name.startswith("mlp.") and not is_lora_name(name)]
     names = set()
     for name in _GLOBAL:  # a tied output layer maps to embed_tokens, so lm_head is then not consumed
         names.update(_global_mapping(name, info, 0).hf_names)

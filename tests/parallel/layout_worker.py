@@ -7,11 +7,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: layout_launch
 
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
 from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout, run_nan_step  # noqa: E402
 from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
+from layout_launch import LORA_ADAPTER, LORA_ARGS, lora_loader  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCHES = 8, 4
 
@@ -33,7 +35,7 @@ def layout_args(spec: str) -> list:
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
         elif part == "topent":  # the top-entropy token mask, 30% of the tokens
             args += ["--algorithm.top_entropy_quantile", "0.3"]
-        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts") or part.startswith("dp"):
+        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts", "loraswap") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
@@ -102,8 +104,9 @@ def main():
     for spec in args.layouts.split(","):
         mode, _, layout = spec.rpartition(":")
         flags = layout_args(layout)
+        lora = LORA_ARGS if mode == "lora" else []
         cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples,
-                                "--train.lr", "0.01", "--train.adam_eps", "0.001", *flags], check_files=False)
+                                "--train.lr", "0.01", "--train.adam_eps", "0.001", *flags, *lora], check_files=False)
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.train.micro_batch_size = max(1, GLOBAL_BATCH // dp // MICRO_BATCHES)
@@ -119,9 +122,12 @@ def main():
         else:
             corrupt = {"wrongshard": swap_proj_shards, "localseq": per_rank_seq_sum,
                        "nozigzag": contiguous_cp_split, "swapexperts": swap_ep_experts}.get(spec.rpartition("-")[2])
+            if mode == "lora":
+                corrupt = lora_loader(os.path.join(args.out, LORA_ADAPTER), swap="loraswap" in layout.split("-"))
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
             gloo = False if "nogloo" in layout.split("-") else None  # megatron's groups as under nccl
-            run_layout(cfg, args.model, samples, args.out, layout, corrupt=corrupt, save_to=save_to, gloo_groups=gloo,
+            tag = f"lora-{layout}" if mode == "lora" else layout
+            run_layout(cfg, args.model, samples, args.out, tag, corrupt=corrupt, save_to=save_to, gloo_groups=gloo,
                        entropy_per_rank="rankq" in layout.split("-"))
         if dist.get_rank() == 0:
             print(f"layout {spec} done", flush=True)
