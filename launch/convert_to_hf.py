@@ -1,7 +1,10 @@
 """Convert an mgrpo checkpoint (saved at any TP/PP/VPP layout) into an HF model folder.
 
     python launch/convert_to_hf.py --checkpoint runs/x/checkpoints/step_000100 --output hf_out \
-        [--dtype bfloat16] [--max-shard-size 5GB] [--overwrite]
+        [--dtype bfloat16] [--max-shard-size 5GB] [--overwrite] [--peft]
+
+A LoRA run's checkpoint converts to the base with the adapters merged in (B·A·alpha/rank, tensor by tensor), or
+with --peft to a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) for the HF base.
 
 One CPU process; tensors stream one by one from megatron to safetensors shards with a progress bar.
 The output is written to a temporary folder and renamed into place.
@@ -23,10 +26,11 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 << 30, overwrite: bool = False):
+def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 << 30, overwrite: bool = False,
+            peft: bool = False):
     from tqdm import tqdm
 
-    from mgrpo.checkpoint import load_checkpoint, read_meta
+    from mgrpo.checkpoint import CheckpointFolderError, load_checkpoint, read_meta
     from mgrpo.config import ParallelConfig
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.distributed import init_distributed
@@ -42,8 +46,22 @@ def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 <
     parallel = ParallelConfig()
     setup_model_parallel(parallel)
     hf_dir = os.path.join(checkpoint, "hf")
-    chunks = build_model(hf_dir, parallel, params_dtype=meta.get("params_dtype", "float32"))
+    chunks = build_model(hf_dir, parallel, params_dtype=meta.get("params_dtype", "float32"), use_te=False)
+    if meta.get("lora"):  # the adapters' modules first; their values come from the checkpoint
+        from mgrpo.config import LoraConfig
+        from mgrpo.models.lora import apply_lora
+
+        apply_lora(chunks, LoraConfig(**meta["lora"]), seed=0)
+    elif peft:
+        raise CheckpointFolderError(f"--peft: {checkpoint} is not a LoRA run's checkpoint (no adapters); drop --peft")
     load_checkpoint(chunks, checkpoint)
+    if peft:
+        from mgrpo.config import LoraConfig
+        from mgrpo.models.lora import peft_config, peft_tensors
+        from mgrpo.resharding.hf_writer import write_peft_folder
+
+        return write_peft_folder(peft_tensors(chunks), output, peft_config(LoraConfig(**meta["lora"]), hf_dir),
+                                 overwrite)
     total = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     info, emb = chunks[0].mgrpo_info, chunks[0].embedding.word_embeddings.weight
     total -= (chunks[0].vocab_size - info.vocab_size) * emb[0].numel() * emb.element_size() * (
@@ -61,12 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--peft", action="store_true", help="a LoRA checkpoint's adapters as a PEFT folder (not merged)")
     args = ap.parse_args(argv)
     from mgrpo.checkpoint import CheckpointFolderError
     from mgrpo.resharding.hf_writer import OutputExistsError
 
     try:
-        out = convert(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.overwrite)
+        out = convert(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.overwrite,
+                      args.peft)
     except (CheckpointFolderError, OutputExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ def prepare_tiny_model(cfg, rank: int) -> None:
                          num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
                          ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"],
                          seed=t["seed"], num_experts=t["num_experts"], experts_per_token=t["experts_per_token"],
-                         moe_ffn_hidden_size=t["moe_ffn_hidden_size"])
+                         moe_ffn_hidden_size=t["moe_ffn_hidden_size"], initializer_range=t["initializer_range"])
         if w is not None:
             from mgrpo.models.warm_start import held_out_pairs, warm_start
 

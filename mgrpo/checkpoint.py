@@ -147,6 +147,15 @@ def _layout(cfg, world: int) -> dict:
             "distributed_optimizer": cfg.train.use_distributed_optimizer}
 
 
+def lora_meta(lora) -> dict | None:
+    """The adapters a checkpoint holds (the converter rebuilds them before loading); None without LoRA."""
+    if not lora.rank:
+        return None
+    from mgrpo.models.lora import lora_targets
+
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora_targets(lora))}
+
+
 def model_state(model_chunks) -> dict:
     return {f"model{i}": unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(model_chunks)}
 
@@ -254,7 +263,8 @@ class Saver:
                 yaml.safe_dump(to_dict(self.cfg), f, sort_keys=False)
         dist.barrier()
         meta = {"mgrpo_version": mgrpo.__version__, "step": step, "params_dtype": self.cfg.model.params_dtype,
-                "family": actor.info.family, "layout": _layout(self.cfg, dist.get_world_size()), "state": common}
+                "family": actor.info.family, "layout": _layout(self.cfg, dist.get_world_size()), "state": common,
+                "lora": lora_meta(self.cfg.model.lora)}
         state = training_state(actor, common, is_loading=False, with_rng=True)
         request = dist_checkpointing.save(state, os.path.join(tmp, "dist"), async_sharded_save=self.queue is not None)
 

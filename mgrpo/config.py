@@ -52,6 +52,7 @@ class TinyModelConfig:
     num_experts: int = 8  # qwen3_moe only: experts per MoE layer, experts per token, and each expert's width
     experts_per_token: int = 2
     moe_ffn_hidden_size: int = 64
+    initializer_range: float = 0.02  # HF's init std (the LoRA example's 0.1 gives a low-rank adapter logits to move)
     warm_start: Optional[WarmStartConfig] = None  # e.g. {steps: 350}: supervised addition before RL
 
 

@@ -17,7 +17,8 @@ import yaml
 from mgrpo.checkpoint import CheckpointFolderError, read_meta, resolve
 
 FIXED = ("model.params_dtype", "algorithm.policy_loss", "algorithm.advantage", "rollout.n", "train.seed",
-         "train.use_distributed_optimizer")  # megatron-core 0.16 cannot load one optimizer's state into the other
+         "train.use_distributed_optimizer",  # megatron-core 0.16 cannot load one optimizer's state into the other
+         "model.lora.rank", "model.lora.alpha", "model.lora.target_modules")  # the adapters' shapes and function
 FREE = {"train.steps", "model.path", "external_plugins", "rollout.remote.run_id"}  # not reported
 FREE_SECTIONS = ("checkpoint.", "logging.", "parallel.", "model.tiny")
 MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

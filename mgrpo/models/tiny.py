@@ -58,7 +58,7 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
                  attention_bias: Optional[bool] = None, mlp_bias: bool = False,
                  config_overrides: Optional[dict] = None, chat_template: str = "plain", num_experts: int = 8,
                  experts_per_token: int = 2, moe_ffn_hidden_size: int = 64, mlp_only_layers: tuple = (),
-                 norm_topk_prob: bool = True) -> str:
+                 norm_topk_prob: bool = True, initializer_range: float = 0.02) -> str:
     """Write config.json, model.safetensors and tokenizer files to out_dir (atomically) and return it.
 
     qwen3_moe takes num_experts, experts_per_token, moe_ffn_hidden_size, mlp_only_layers (dense layers) and
@@ -66,7 +66,8 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
 
     attention_bias (None: the family's default) and mlp_bias (Llama only) go to the HF config, so HF builds
     the biases; config_overrides are written into config.json after saving, e.g. {"attention_bias": None}
-    for a Qwen2 config whose field HF ignores (its q/k/v biases exist anyway).
+    for a Qwen2 config whose field HF ignores (its q/k/v biases exist anyway). initializer_range: HF's init std of
+    every linear and embedding (0.02 leaves logits too flat for a low-rank adapter to move: the LoRA example's 0.1).
     """
     import torch
     import transformers
@@ -82,7 +83,7 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
     kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn_hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
-                  tie_word_embeddings=tie_word_embeddings, bos_token_id=None,
+                  tie_word_embeddings=tie_word_embeddings, bos_token_id=None, initializer_range=initializer_range,
                   eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"),
                   architectures=[_ARCH[family]])
     rope = {"rope_type": "default", "rope_theta": rope_theta}
@@ -105,7 +106,7 @@ def make_tiny_hf(out_dir: str, family: str = "qwen2", vocab_size: int = 300, hid
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    with torch.no_grad():  # HF's default init is std 0.02 everywhere; give norms some variety so tests see them
+    with torch.no_grad():  # HF's init is std initializer_range everywhere; give norms some variety so tests see them
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

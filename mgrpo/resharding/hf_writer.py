@@ -90,3 +90,24 @@ def write_hf_folder(named_tensors, out_dir: str, src_hf_dir: str, max_shard_byte
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_peft_folder(named_tensors, out_dir: str, adapter_config: dict, overwrite: bool = False) -> str:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) from (PEFT name, tensor) pairs,
+    written to a temporary folder beside `out_dir` and renamed into place."""
+    from safetensors.torch import save_file
+
+    check_output_dir(out_dir, overwrite)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".peft-", dir=parent)
+    try:
+        save_file({n: t.detach().contiguous().cpu() for n, t in named_tensors}, os.path.join(tmp,
+                                                                                            "adapter_model.safetensors"))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f, indent=2)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
