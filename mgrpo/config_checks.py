@@ -330,9 +330,9 @@ def lora_problems(cfg) -> list:
         lora_targets(lo)
     except ValueError as err:
         e.append(f"model.lora.target_modules: {err}; use all-linear or some of {', '.join(ALL_LINEAR)}")
-    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine not in ("vllm", "remote"):
-        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only vLLM engines load "
-                 f"adapters; use rollout.lora_sync=merged")
+    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine != "vllm":
+        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only the colocated vLLM engine "
+                 f"loads adapters so far; use rollout.lora_sync=merged")
     return e
 
 

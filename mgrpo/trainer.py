@@ -23,8 +23,8 @@ from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
-from mgrpo.rollout.manager import (RolloutManager, engine_owners, make_transport, needs_initial_weights, owner_index,
-                                  push_weights, start_engine)
+from mgrpo.rollout.manager import (RolloutManager, adapter_sync, engine_owners, make_transport, needs_initial_weights,
+                                  owner_index, push_weights, start_engine)
 from mgrpo.rollout.producer import RolloutProducer
 from mgrpo.validation import Validator
 
@@ -89,11 +89,12 @@ class GRPOTrainer:
                                   a.max_resample_times, warn=self.rank == 0)
         return samples, counts.metrics()
 
-    def sync_weights(self) -> None:
-        """Every DP replica that has an engine exports to it (views, one copy into the engine)."""
+    def sync_weights(self) -> int | None:
+        """Every DP replica that has an engine exports to it (views, one copy into the engine); returns the bytes
+        this rank's engine got (LoRA adapter-only sync: the adapters alone)."""
         self.version += 1
-        push_weights(self.transport, self.actor.models(), self.version, self.owners,
-                     self.cfg.rollout.update_bucket_mb << 20)
+        return push_weights(self.transport, self.actor.models(), self.version, self.owners,
+                     self.cfg.rollout.update_bucket_mb << 20, adapter_only=adapter_sync(self.cfg))
 
     def step(self, step: int) -> dict:
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
@@ -115,7 +116,7 @@ class GRPOTrainer:
             updates = [self.actor.train_step(mbs) for mbs in batch.updates(self.cfg.train.num_iterations)]
         pause_point("train", step)  # test hook: a kill between the update and the sync
         with timer("sync"):
-            self.sync_weights()
+            extra["sync/bytes"] = self.sync_weights()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer, batch.sample_entropies())
         extra["data/epoch"] = self.prompts.epoch
         metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, timer.totals, self.version)

@@ -259,9 +259,12 @@ def load_peft_tensors(chunks: list, tensors: dict) -> None:
                 param.copy_(_shard(tensors[key], ad, f"{part}_{f}").to(param.dtype))
 
 
-def peft_tensors(chunks: list, select=None, **_ignored):
+def peft_tensors(chunks: list, select=None, dense: bool = True, **_ignored):
     """(PEFT name, full factor) of this rank's chunks, in module order: sharded factors gathered over TP. Every TP
-    rank must iterate (all get the full tensors). `select(param)` picks what: the value, or e.g. its main_grad."""
+    rank must iterate (all get the full tensors). `select(param)` picks what: the value, or e.g. its main_grad.
+    Takes export_hf's stream arguments (`dense=False`: this rank is no part of the export; nothing else applies)."""
+    if not dense:
+        return
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 

@@ -212,6 +212,11 @@ def make_transport(cfg, engine):
     """The weight transport: the engine's own, on the ranks that own an engine; for remote servers with
     `rollout.remote.transport: collective`, one on every rank (each pipeline stage sends its own weights)."""
     bucket_bytes, remote = cfg.rollout.update_bucket_mb << 20, cfg.rollout.remote
+    if adapter_sync(cfg):
+        from mgrpo.models.lora import peft_config
+        from mgrpo.rollout.transports.lora_adapter import AdapterTransport
+
+        return AdapterTransport(engine, peft_config(cfg.model.lora, cfg.model.path)) if engine is not None else None
     if cfg.rollout.engine == "sglang":
         from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
 
@@ -225,14 +230,32 @@ def make_transport(cfg, engine):
     return engine.weight_transport(bucket_bytes) if engine is not None else None
 
 
-def push_weights(transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int) -> None:
+def adapter_sync(cfg) -> bool:
+    """LoRA adapter-only sync (rollout.lora_sync: adapter): the engines get the adapters, not merged weights."""
+    return cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
+
+
+def push_weights(transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int,
+                 adapter_only: bool = False) -> int | None:
     """Every rank drives the export (a collective); engine owners push it to their engine; then all ranks fail
     together if any engine rejected it (the rejecting engine still serves its old version). A per-stage transport
-    (collective) takes the model chunks on every rank instead of one exported stream."""
-    from mgrpo.resharding.export import export_hf
+    (collective) takes the model chunks on every rank instead of one exported stream. `adapter_only`: the export
+    streams LoRA factors (PEFT names), not merged weights. Returns the bytes of HF tensors this rank's engine was
+    sent (0 without an engine; None for a per-stage transport, which streams no tensors here)."""
+    from mgrpo.models.lora import peft_tensors
+    from mgrpo.resharding.export import export_hf, full_hf_tensors
 
     error, per_stage = None, getattr(transport, "per_stage", False)
-    named_tensors = [] if per_stage else export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes)
+    tensors = peft_tensors if adapter_only else full_hf_tensors
+    sent = [0]
+
+    def counted(stream):
+        for name, t in stream:
+            sent[0] += t.numel() * t.element_size()
+            yield name, t
+
+    named_tensors = [] if per_stage else counted(export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes,
+                                                           tensors=tensors))
     if transport is not None:
         try:
             if per_stage:
@@ -244,3 +267,4 @@ def push_weights(transport, model_chunks: list, version: int, owners: dict, buck
     for _ in named_tensors:  # ranks without an engine (and a failed push) still take part in the export
         pass
     fail_together(error, list(owners.values()))
+    return None if per_stage else sent[0]

@@ -58,7 +58,8 @@ class VLLMEngine:
                  max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_gb: float = 1.0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  start_timeout_s: float = 600.0, log_path: str | None = None, update_ring: int | None = None,
-                 update_checksum: bool = False, update_timeout_s: float = 600.0, routed_experts: bool = False):
+                 update_checksum: bool = False, update_timeout_s: float = 600.0, routed_experts: bool = False,
+                 lora_rank: int | None = None):
         import torch
 
         self.model_dir, self.eos = model_dir, eos_token_id
@@ -72,7 +73,8 @@ class VLLMEngine:
         spec = dict(model=os.path.abspath(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                    socket=self.socket, token=self.token, parent_pid=os.getpid(), routed_experts=routed_experts)
+                    socket=self.socket, token=self.token, parent_pid=os.getpid(), routed_experts=routed_experts,
+                    lora_rank=lora_rank)  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"], stdin=subprocess.PIPE,
                                      stdout=self._log, stderr=subprocess.STDOUT,
@@ -131,6 +133,10 @@ class VLLMEngine:
                            update_timeout_s=self.update_timeout_s), **kwargs)
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
+    def load_adapter(self, path: str, version: int) -> dict:
+        """LoRA adapter-only sync: the engine serves the base with the PEFT folder at `path` from now on."""
+        return self.call("load_adapter", timeout=self.update_timeout_s, folder=os.path.abspath(path), version=version)
+
     def health(self) -> dict:
         return dict(self.call("health", timeout=30), engine=self.name)
 
@@ -178,7 +184,8 @@ def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
                       gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
                       start_timeout_s=v.start_timeout_s, log_path=log, update_ring=v.update_ring,
                       update_checksum=v.update_checksum, update_timeout_s=r.request_timeout_s,
-                      routed_experts=cfg.algorithm.routing_replay)
+                      routed_experts=cfg.algorithm.routing_replay,
+                      lora_rank=cfg.model.lora.rank if cfg.rollout.lora_sync == "adapter" else None)
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
     return engine

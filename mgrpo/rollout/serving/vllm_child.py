@@ -3,12 +3,14 @@ started it (`mgrpo.rollout.engines.vllm`). Started as `python -m mgrpo.rollout.s
 stdin; it dies with its parent (a watchdog kills its whole process group, vLLM's engine core included).
 
 Requests (length-prefixed JSON, each with the engine's token): `generate`, `update` (pause, load through the
-worker extension, reset the prefix cache, stamp the version, resume), `health`, `stats` (requests in flight,
-counted here), `shutdown`.
+worker extension, reset the prefix cache, stamp the version, resume), `load_adapter` (LoRA adapter-only sync: pause,
+add the version's PEFT folder as a new LoRARequest, drop the previous one, resume), `health`, `stats` (requests in
+flight, counted here), `shutdown`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -23,7 +25,7 @@ from mgrpo.models.routing import encode_routing
 from mgrpo.rollout.serving import local_rpc
 from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
 #                                                by the engine core this process starts, see vllm_worker._quiet_idle_spin)
-from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest
+from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest, lora_engine_args
 from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
 
 
@@ -63,11 +65,12 @@ class EngineServer:
             gpu_memory_utilization=spec["gpu_memory_utilization"], disable_log_stats=True,
             distributed_executor_backend="uni" if spec["tensor_parallel_size"] == 1 else None,
             # routing replay: each token's experts (vLLM's aux output; Model Runner V2, set in the child's env)
-            enable_return_routed_experts=bool(spec.get("routed_experts")))
+            enable_return_routed_experts=bool(spec.get("routed_experts")), **lora_engine_args(spec.get("lora_rank")))
         self.llm = AsyncLLM.from_engine_args(args)
         self.dtype = str(self.llm.vllm_config.model_config.dtype).replace("torch.", "")
         self.expected, self.optional = hf_manifest(spec["model"], self.dtype)
         self.version, self.poisoned = 0, None
+        self.lora = None  # the LoRARequest every generation uses (adapter-only sync); None: the weights alone
         self.gate = asyncio.Condition()  # generation pauses here: updates wait for in-flight calls, new calls wait
         self.inflight, self.updating = 0, False  # for the update
         self.requests_inflight, self.requests_peak, self.requests_served = 0, 0, 0  # counted here, at the engine
@@ -90,7 +93,7 @@ class EngineServer:
 
         if self.poisoned:
             raise RuntimeError(f"engine holds a half-applied weight update and will not serve: {self.poisoned}")
-        version = self.version
+        version, lora = self.version, self.lora
 
         async def one(req):
             sp = SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
@@ -103,7 +106,8 @@ class EngineServer:
             self.requests_inflight += 1
             self.requests_peak = max(self.requests_peak, self.requests_inflight)
             try:
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid):
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid,
+                                                   lora_request=lora):
                     final = out
             finally:
                 self.requests_inflight -= 1
@@ -125,14 +129,8 @@ class EngineServer:
         reset the prefix cache (vLLM's reload does not: cached KV of the old weights would be reused), stamp
         the version, resume. This server is the engine's only client, so its gate is the pause; vLLM's own
         pause_generation (a fixed 20 ms sleep) is not needed on top."""
-        if self.poisoned:
-            raise RuntimeError(f"engine is poisoned by an earlier update: {self.poisoned}")
         t0 = time.perf_counter()
-        async with self.gate:
-            await self.gate.wait_for(lambda: not self.updating)
-            self.updating = True
-            await self.gate.wait_for(lambda: self.inflight == 0)
-        try:
+        async with self._paused():
             t1 = time.perf_counter()
             results = await self.llm.collective_rpc(
                 "mgrpo_receive_weights", kwargs=dict(channel=channel, token=self.token, expected=self.expected,
@@ -147,13 +145,43 @@ class EngineServer:
                 self.poisoned = "vLLM refused to reset the prefix cache after an update"
                 raise RuntimeError(self.poisoned)
             self.version = version
+        return dict(results[0]["receipt"], version=version, load_s=max(r["load_s"] for r in results),
+                    streamed=results[0]["streamed"], staged_at=results[0]["staged_at"], pause_s=t1 - t0, rpc_s=t2 - t1,
+                    reset_s=time.perf_counter() - t2, total_s=time.perf_counter() - t0)
+
+    @contextlib.asynccontextmanager
+    async def _paused(self):
+        """Generation paused (calls in flight finish, new ones wait) for as long as an update runs."""
+        if self.poisoned:
+            raise RuntimeError(f"engine is poisoned by an earlier update: {self.poisoned}")
+        async with self.gate:
+            await self.gate.wait_for(lambda: not self.updating)
+            self.updating = True
+            await self.gate.wait_for(lambda: self.inflight == 0)
+        try:
+            yield
         finally:
             async with self.gate:
                 self.updating = False
                 self.gate.notify_all()
-        return dict(results[0]["receipt"], version=version, load_s=max(r["load_s"] for r in results),
-                    streamed=results[0]["streamed"], staged_at=results[0]["staged_at"], pause_s=t1 - t0, rpc_s=t2 - t1,
-                    reset_s=time.perf_counter() - t2, total_s=time.perf_counter() - t0)
+
+    async def load_adapter(self, version: int, path: str) -> dict:
+        """LoRA adapter-only sync: the version's PEFT folder becomes the LoRARequest of every later generation.
+        A new name and id per version: vLLM keys prefix-cache blocks by the adapter's name and path, so no cached KV
+        of the previous adapter is reused (no reset needed); the previous adapter is then dropped."""
+        from vllm.lora.request import LoRARequest
+
+        if self.spec.get("lora_rank") is None:
+            raise RuntimeError("this engine was started without LoRA (rollout.lora_sync is not adapter)")
+        t0 = time.perf_counter()
+        async with self._paused():
+            request = LoRARequest(f"mgrpo-v{version}", version, path)
+            if not await self.llm.add_lora(request):
+                raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
+            previous, self.lora, self.version = self.lora, request, version
+            if previous is not None and previous.lora_int_id != version:
+                await self.llm.remove_lora(previous.lora_int_id)
+        return {"version": version, "total_s": time.perf_counter() - t0}
 
     def stats(self, reset: bool = False) -> dict:
         """Requests inside vLLM now, the most at once (since start or the last reset), and served in total."""
@@ -175,6 +203,8 @@ class EngineServer:
                     result = await self.generate(msg["requests"], msg["sampling"], msg.get("eos"))
                 elif op == "update":
                     result = await self.update(msg["version"], msg["channel"], msg.get("reset_cache", True))
+                elif op == "load_adapter":
+                    result = await self.load_adapter(int(msg["version"]), str(msg["folder"]))
                 elif op == "health":
                     result = {"ok": self.poisoned is None, "version": self.version, "pid": os.getpid(),
                               "dtype": self.dtype, "poisoned": self.poisoned}

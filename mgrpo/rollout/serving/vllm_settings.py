@@ -47,3 +47,17 @@ def test_load_delay() -> None:
     if path and os.path.exists(path):
         with open(path) as f:
             time.sleep(float(f.read().strip() or 0))
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py: the max_lora_rank values it accepts
+
+
+def lora_engine_args(rank: int | None) -> dict:
+    """Engine arguments for LoRA adapter-only sync: LoRA on, one adapter at a time (two kept on the host while a
+    new version replaces the old), max_lora_rank the smallest value vLLM accepts that holds `rank`. {} when off."""
+    if not rank:
+        return {}
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
