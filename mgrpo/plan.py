@@ -39,6 +39,8 @@ class StageParams:
     expert_held: int = 0  # expert weights on this rank (its E / EP experts, its expert-TP shard); part of `held`
     expert_sharded: int = 0  # the expert-TP-sharded part of expert_held
     expert_replicated: int = 0  # same on every expert-TP rank; counted once per expert-TP group
+    lora_held: int = 0  # LoRA adapter parameters on this rank (trainable; the rest is frozen); part of `held`
+    lora_sharded: int = 0  # the TP-sharded factors among them (column B, row A)
 
 
 def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> dict:
@@ -77,6 +79,7 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from mgrpo.models.builder import build_model
+    from mgrpo.models.lora import is_lora_name
     from mgrpo.parallel.cpu_shims import apply_cpu_shims
     from mgrpo.parallel.pipeline import unwrap
 
@@ -93,7 +96,11 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
                                       create_gloo_process_groups=False)
         with torch.device("meta"):
             chunks = build_model(model_dir, p, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                                 seed=cfg.train.seed, moe=cfg.model.moe)
+                                 seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if cfg.model.lora.rank else None)
+            if cfg.model.lora.rank:
+                from mgrpo.models.lora import apply_lora
+
+                apply_lora(chunks, cfg.model.lora, cfg.train.seed)
         out = StageParams()
         for chunk in chunks:
             model = unwrap(chunk)
@@ -102,7 +109,10 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
             for name, param in model.named_parameters():
                 n = param.numel()
                 out.held += n
-                if is_expert_param(name, param):
+                if is_lora_name(name):
+                    out.lora_held += n
+                    out.lora_sharded += n if getattr(param, "tensor_model_parallel", False) else 0
+                elif is_expert_param(name, param):
                     out.expert_held += n
                     if getattr(param, "tensor_model_parallel", False):
                         out.expert_sharded += n
@@ -129,6 +139,13 @@ def is_expert_param(name: str, param) -> bool:
     return not getattr(param, "allreduce", True) or ".mlp.experts." in name
 
 
+def lora_unique(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int) -> int:
+    """The adapter parameters this rank owns: sharded factors on DP0/CP0, replicated ones on TP0 of those."""
+    if dp_rank or cp_rank:
+        return 0
+    return stage.lora_sharded + (stage.lora_held - stage.lora_sharded if tp_rank == 0 else 0)
+
+
 def vocab_share(local_rows: int, tp_rank: int, vocab: int) -> int:
     """Rows of a vocab-parallel shard that are real tokens (the padding sits at the end of the last shards)."""
     start = tp_rank * local_rows
@@ -142,7 +159,8 @@ def unique_params(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, 
     if dp_rank or cp_rank:
         return experts
     rows = sum(vocab_share(r, tp_rank, vocab) * h for r, h in stage.vocab_rows)
-    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0) + experts
+    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0) + experts + lora_unique(
+        stage, tp_rank, dp_rank, cp_rank)
 
 
 def plan_seq_len(cfg) -> int:
@@ -205,16 +223,19 @@ def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_
                     attention: str = "flash", expert_dp: int | None = None) -> dict:
     """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total. The rank
     holds its E / EP experts' weights, fp32 gradients and Adam state like any other; megatron's distributed
-    optimizer shards dense state over DP x CP and expert state over `expert_dp` (its intra expert-DP group)."""
+    optimizer shards dense state over DP x CP and expert state over `expert_dp` (its intra expert-DP group).
+    With LoRA only the adapters have gradients and Adam state (the frozen base has neither)."""
     p, t = cfg.parallel, cfg.train
     elem = 2 if cfg.model.params_dtype == "bfloat16" else 4
     held = stage.held
     weights = held * elem
-    grads = held * 4  # DDP grad buffer in fp32 (grad_reduce_in_fp32)
+    trained = stage.lora_held if stage.lora_held else held
+    expert_trained = 0 if stage.lora_held else stage.expert_held
+    grads = trained * 4  # DDP grad buffer in fp32 (grad_reduce_in_fp32)
     per_param = 8 + (4 if elem == 2 else 0)  # m, v (+ fp32 master weights with bf16)
-    adam = held * per_param
+    adam = trained * per_param
     expert_dp = expert_dp or dp * p.cp
-    adam_dist = (held - stage.expert_held) * per_param / (dp * p.cp) + stage.expert_held * per_param / expert_dp
+    adam_dist = (trained - expert_trained) * per_param / (dp * p.cp) + expert_trained * per_param / expert_dp
     seq = plan_seq_len(cfg)
     per_dp = max(1, cfg.rollout.prompts_per_step * cfg.rollout.n // max(t.steps_per_generation, 1) // dp)
     mbs = min(t.micro_batch_size, per_dp)
@@ -260,11 +281,12 @@ def build_plan(cfg, world: int, attention: str = "flash") -> dict:
     for r, (pp_rank, tp_rank, dp_rank, cp_rank, ep_rank, edp_rank) in enumerate(where):
         s = stages[pp_rank]
         ranks.append(dict(rank=r, pp=pp_rank, tp=tp_rank, dp=dp_rank, cp=cp_rank, ep=ep_rank, edp=edp_rank,
-                          held=s.held, expert_held=s.expert_held,
+                          held=s.held, expert_held=s.expert_held, lora_unique=lora_unique(s, tp_rank, dp_rank, cp_rank),
                           unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size, edp_rank),
                           memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention, expert_dp)))
     return dict(world=world, dp=dp, expert_dp=expert_dp, groups=groups, ranks=ranks, info=info,
                 vocab_padded=vocab_padded, attention=attention, unique_total=sum(r["unique"] for r in ranks),
+                trainable=sum(r["lora_unique"] for r in ranks) if cfg.model.lora.rank else None,
                 unique_experts=p.ep * sum(s.expert_sharded * p.tp + s.expert_replicated for s in stages.values()))
 
 
@@ -281,6 +303,8 @@ def _ranks(g: list) -> str:
 
 
 def format_plan(cfg, plan: dict) -> str:
+    from mgrpo.models.lora import lora_targets
+
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
     info, world, dp = plan["info"], plan["world"], plan["dp"]
     moe = info.moe is not None
@@ -312,8 +336,13 @@ def format_plan(cfg, plan: dict) -> str:
               f"{m0['micro_batch']}; up to {m0['seq']} tokens per sample (data.max_prompt_length or 512, + "
               f"rollout.max_tokens {r.max_tokens})",
               f"params: {plan['unique_total']:,} unique over all ranks (HF count; vocabulary padding and replicas "
-              f"excluded)" + (f"; {plan['unique_experts']:,} of them in experts" if moe else ""),
-              f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
+              f"excluded)" + (f"; {plan['unique_experts']:,} of them in experts" if moe else "")]
+    if plan["trainable"] is not None:
+        lo = cfg.model.lora
+        lines.append(f"lora: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lora_targets(lo))}: "
+                     f"{plan['trainable']:,} trainable (PEFT's count), {plan['unique_total'] - plan['trainable']:,} "
+                     f"frozen; gradients and Adam state for the adapters only")
+    lines += [f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
               f"{ATTENTION[plan['attention']]}: --plan-attention"
               + ("; adam/dist: dense state sharded over DP x CP, expert state over expert-DP" if moe else "") + "):",
               f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} " + (f"{'ep':>3} {'edp':>3} " if moe else "")
@@ -396,8 +425,8 @@ def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:
     experts = sparse * m.num_experts * 3 * h * m.ffn_hidden_size if m else 0
     total = dense + experts
     bf16 = cfg.model.params_dtype == "bfloat16"
-    per_rank = (dense / (p.tp * p.pp) + experts / (p.tp * p.ep * p.pp)) \
-        * ((2 if bf16 else 4) + 4 + 8 + (4 if bf16 else 0))  # weights, grads, Adam
+    trained = 0 if cfg.model.lora.rank else (4 + 8 + (4 if bf16 else 0))  # grads, Adam (LoRA: the adapters' only)
+    per_rank = (dense / (p.tp * p.pp) + experts / (p.tp * p.ep * p.pp)) * ((2 if bf16 else 4) + trained)
     need, have = per_rank * local_ranks, psutil.virtual_memory().total
     if need <= have:
         return None

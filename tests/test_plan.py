@@ -126,6 +126,28 @@ def test_the_72b_example_plans_16_ranks_and_stops_with_one_line_without_a_gpu():
     assert proc.returncode == 2 and len(lines) == 1 and "run it on GPUs" in lines[0], proc.stderr[-2000:]
 
 
+def test_the_72b_lora_example_counts_peft_trainable_parameters_on_8_ranks():
+    """examples/qwen72b-lora.yaml: the trainable count equals PEFT's for the same targets and rank on HF's meta
+    build; gradients and Adam state are the adapters' only (a full fine-tune's would be ~10x the weights)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    proc = launch("--config", "examples/qwen72b-lora.yaml", "--print-plan", "--world-size", "8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            os.path.join(ROOT, "examples", "model_configs", "Qwen2.5-72B-Instruct")))
+        peft = get_peft_model(hf, LoraConfig(r=64, lora_alpha=128, target_modules="all-linear"))
+    want = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    out = proc.stdout
+    print(out)
+    assert f"{want:,} trainable (PEFT's count), 72,706,203,648 frozen" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    weights, grads = float(rows[0][7]), float(rows[0][8])
+    assert len(rows) == 8 and grads < weights / 10
+
+
 def test_the_qwen3_30b_a3b_example_plans_ep8_on_8_ranks():
     proc = launch("--config", "examples/qwen3-30b-a3b.yaml", "--print-plan", "--world-size", "8", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
