@@ -340,13 +340,13 @@ def lora_layout_problems(lora, model_info) -> list:
     """LoRA against the model: a rank no larger than the smallest adapted dimension, no adapters on experts."""
     if not lora.rank:
         return []
-    from mgrpo.models.lora import _sizes, lora_targets
+    from mgrpo.models.lora import hf_shapes, lora_targets
 
     try:
         targets = lora_targets(lora)
     except ValueError:
         return []  # lora_problems says so
-    e, sizes = [], _sizes(model_info)
+    e, sizes = [], hf_shapes(model_info)
     smallest = min(min(sizes[t]) for t in targets)
     if lora.rank > smallest:
         e.append(f"model.lora.rank={lora.rank} exceeds the smallest adapted dimension ({smallest}); choose a rank "

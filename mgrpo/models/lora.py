@@ -158,7 +158,7 @@ def _with_adapter(linear_cls: type) -> type:
     return type(f"Lora{linear_cls.__name__}", (linear_cls,), {"forward": forward, "__module__": __name__})
 
 
-def _sizes(info) -> dict:
+def hf_shapes(info) -> dict:
     """HF (out, in) of every target module."""
     h, hd, nh, ng, f = info.hidden_size, info.head_dim, info.num_attention_heads, info.num_key_value_heads, \
         info.intermediate_size
@@ -179,7 +179,7 @@ def _targets(layer) -> list:
 def apply_lora(chunks: list, lora, seed: int) -> None:
     """Adapters on every targeted linear of every chunk; the base frozen. A and B start as PEFT's (B = 0)."""
     info = chunks[0].mgrpo_info
-    sizes, wanted = _sizes(info), set(lora_targets(lora))
+    sizes, wanted = hf_shapes(info), set(lora_targets(lora))
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -293,7 +293,7 @@ def peft_config(lora, base_model: str = "") -> dict:
 
 def trainable_count(info, lora) -> int:
     """Adapter parameters of the whole model (PEFT's count for the same targets and rank)."""
-    sizes, n = _sizes(info), 0
+    sizes, n = hf_shapes(info), 0
     dense_layers = range(info.num_hidden_layers) if info.moe is None else \
         [g for g in range(info.num_hidden_layers) if not info.moe.sparse_layers[g]]
     for part in lora_targets(lora):
