@@ -330,9 +330,10 @@ def lora_problems(cfg) -> list:
         lora_targets(lo)
     except ValueError as err:
         e.append(f"model.lora.target_modules: {err}; use all-linear or some of {', '.join(ALL_LINEAR)}")
-    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine != "vllm":
-        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only the colocated vLLM engine "
-                 f"loads adapters so far; use rollout.lora_sync=merged")
+    if cfg.rollout.lora_sync == "adapter" and (cfg.rollout.engine not in ("vllm", "remote") or (
+            cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective")):
+        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only vLLM engines (colocated, "
+                 f"or remote servers over rollout.remote.transport http) load adapters; use rollout.lora_sync=merged")
     return e
 
 

@@ -11,15 +11,17 @@ class ServerCallError(RuntimeError):
 
 def http_json(url: str, method: str, path: str, body: dict | None, headers: dict, timeout: float, context=None,
               name: str = "") -> dict:
-    """One JSON call to a rollout server; any failure is a ServerCallError naming it. A body that is not JSON (SGLang's
-    /flush_cache answers text) comes back as {"text": ...}."""
+    """One JSON call to a rollout server (`body` a dict, or bytes sent as they are); any failure is a ServerCallError
+    naming it. A body that is not JSON (SGLang's /flush_cache answers text) comes back as {"text": ...}."""
     import json
     import urllib.error
     import urllib.request
 
-    data = json.dumps(body).encode() if body is not None else None
+    raw = isinstance(body, (bytes, bytearray))  # a file's bytes (a LoRA adapter), else JSON
+    data = bytes(body) if raw else (json.dumps(body).encode() if body is not None else None)
+    kind = "application/octet-stream" if raw else "application/json"
     req = urllib.request.Request(url + path, data=data, method=method, headers=dict(
-        headers, **({"Content-Type": "application/json"} if data is not None else {})))
+        headers, **({"Content-Type": kind} if data is not None else {})))
     name = name or url.split("://", 1)[-1]
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:

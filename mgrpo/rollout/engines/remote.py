@@ -80,6 +80,7 @@ class RemoteEngine:
         self.checksum = checksum  # the per-bucket digest on the wire (rollout.remote.checksum)
         self.max_consecutive_failures = max_consecutive_failures
         self.version = 0  # the version every serving replica must hold
+        self.adapter = None  # LoRA adapter-only sync: the adapter name generation asks for (`model`)
         self.log = log or (lambda msg: print(f"mgrpo: {msg}", file=sys.stderr, flush=True))
         self.headers = {"Authorization": f"Bearer {token}"}
         self.run_id, self.attempt = run_id or secrets.token_hex(8), secrets.token_hex(4)
@@ -213,7 +214,8 @@ class RemoteEngine:
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                 "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
                 "skip_special_tokens": False, "n": 1,
-                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else []}
+                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else [],
+                **({"model": self.adapter} if self.adapter else {})}
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
         return _response(data, int(headers.get(VERSION_HEADER, -1)), server)
@@ -224,6 +226,30 @@ class RemoteEngine:
 
         return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s,
                                                                    algo=self.checksum), **kwargs))
+
+    def load_adapter(self, folder: str, version: int) -> dict:
+        """LoRA adapter-only sync: PUT the PEFT folder's two files to every replica that can take it (serving/
+        lora_routes.py); generation then names the adapter. A replica that fails is excluded (the others serve)."""
+        import json
+
+        from mgrpo.rollout.serving.lora_routes import CONFIG_HEADER
+
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            config = json.dumps(json.load(f))
+        with open(os.path.join(folder, "adapter_model.safetensors"), "rb") as f:
+            body = f.read()
+        receipts = {}
+        for r in self.rejoin_candidates():
+            try:
+                receipts[r.name] = self.call(r, "PUT", f"/mgrpo/lora/{version}", body, self.update_timeout_s,
+                                             dict(self.update_headers(), **{CONFIG_HEADER: config}))
+                r.version = version
+            except RemoteEngineError as exc:
+                self.mark_down(r, str(exc))
+        if not receipts:
+            raise self.no_replica_left()
+        self.version, self.adapter = version, receipts[next(iter(receipts))]["adapter"]
+        return {"servers": receipts, "version": version}
 
     def update_headers(self) -> dict:
         """What every PUT and commit carries: the token, this run and this process (serving/ownership.py)."""

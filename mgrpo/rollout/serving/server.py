@@ -145,6 +145,7 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
     #                                               in the engine core this process starts, see vllm_worker)
     from mgrpo.rollout.serving.staging import Staging
     from mgrpo.rollout.serving.vllm_settings import hf_manifest
+    from mgrpo.rollout.serving.lora_routes import add_lora_routes
     from mgrpo.rollout.serving.weight_routes import UpdateState, add_weight_routes
 
     listen_address, sock = setup_server(args, reuse_port=False)  # binds first: a port in use fails here
@@ -160,6 +161,7 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
                                                                          max_staged_buckets)
             gate, update = Gate(), UpdateState()
             add_weight_routes(app, engine_client, gate, staging, update, expected, optional, update_timeout_s)
+            add_lora_routes(app, engine_client, gate, staging, update, update_timeout_s)  # 409 unless --enable-lora
             if collective:  # --transport collective: {host, backend, join_timeout_s}
                 from mgrpo.rollout.serving.collective_routes import add_collective_routes
 
