@@ -81,7 +81,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
                       RANK=str(denv.rank), WORLD_SIZE=str(denv.world_size), LOCAL_RANK=str(denv.local_rank))
     from datetime import timedelta
 
-    dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size,
+    # a single process needs no rendezvous: an in-memory store, so no port can be taken between free_port() and
+    # the bind (a vLLM server starting beside it grabs ports too); several ranks meet on MASTER_ADDR:MASTER_PORT
+    store = dist.HashStore() if denv.launcher == "single" else None
+    dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size, store=store,
                             timeout=timedelta(minutes=timeout_minutes))
     from mgrpo.parallel.device import make_cpu_group, set_device
 
