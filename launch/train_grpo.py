@@ -22,7 +22,8 @@ from mgrpo.parallel.omp import passive_wait_if_oversubscribed  # noqa: E402
 
 passive_wait_if_oversubscribed()  # before torch is imported (libgomp reads it once)
 
-from mgrpo.config import ConfigError, describe_algorithm, load_config, validate_layout  # noqa: E402
+from mgrpo.config import ConfigError, describe_algorithm, load_config  # noqa: E402
+from mgrpo.config_checks import validate_layout  # noqa: E402
 from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402

@@ -471,55 +471,6 @@ def validate(cfg: Config) -> list[str]:
     return e
 
 
-def validate_layout(cfg: Config, model_info, world_size: int, cuda: bool) -> list[str]:
-    """Checks that need the HF config.json and the world size, still before any process group."""
-    e = []
-    p = cfg.parallel
-    bad = [f"{k}={v}" for k, v in (("num_attention_heads", model_info.num_attention_heads),
-                                    ("num_key_value_heads", model_info.num_key_value_heads)) if v % p.tp]
-    if bad:
-        e.append(f"parallel.tp={p.tp} does not divide {' and '.join(bad)}; choose a tp that divides both")
-    chunks = p.pp * (p.vpp or 1)
-    if model_info.num_hidden_layers % chunks:
-        e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
-                 f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it")
-    if p.ep > 1 or model_info.moe is not None:
-        from mgrpo.config_checks import expert_layout_problems
-
-        e += expert_layout_problems(p, cfg.model.moe, model_info, cfg.model.path, world_size)
-    if cfg.algorithm.routing_replay:
-        from mgrpo.config_checks import routing_replay_problems
-
-        e += routing_replay_problems(cfg, model_info, cuda)
-    from mgrpo.config_checks import lora_layout_problems
-
-    e += lora_layout_problems(cfg.model.lora, model_info)
-    mp = p.tp * p.pp * p.cp
-    if world_size % mp:
-        e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
-                 f"processes or change the layout")
-    elif cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) % (world_size // mp):
-        mini = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1)
-        what = "rollout.prompts_per_step x rollout.n" if cfg.train.steps_per_generation == 1 else \
-            "the mini-batch (prompts_per_step x n / steps_per_generation)"
-        e.append(f"{what} = {mini} is not divisible by data-parallel size {world_size // mp}; change "
-                 f"prompts_per_step, n or steps_per_generation")
-    elif p.pp > 1:
-        per_dp = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) // (
-            world_size // mp)
-        mbs = min(cfg.train.micro_batch_size, per_dp)
-        if per_dp % mbs:
-            divisors = [d for d in range(1, per_dp + 1) if per_dp % d == 0 and d <= cfg.train.micro_batch_size]
-            e.append(f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank "
-                     f"mini-batch of {per_dp} samples (prompts_per_step x n / steps_per_generation / DP); with "
-                     f"parallel.pp > 1 every micro-batch must have the same size: use a divisor such as "
-                     f"{divisors[-1]}")
-    if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
-        e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
-                 ".cuda() on the shared embedding); use pp=1 or an untied model")
-    return e
-
-
 def _tiny_only_for_its_path(cfg: Config, data: dict, overrides: dict) -> None:
     """`model.tiny` writes a random model at `model.path` when the folder is missing. It applies only to the path
     named beside it: a `--model.path` flag over a YAML that names `model.tiny` turns it off (a typo must not
