@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 
 
-def _launch(tmp_path, name, nproc, config, *extra):
+def _launch(tmp_path, name, nproc, config, *extra, steps: int = STEPS):
     from mgrpo.parallel.distributed import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -22,7 +22,7 @@ def _launch(tmp_path, name, nproc, config, *extra):
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", config),
-           "--train.steps", str(STEPS), "--model.path", str(tmp_path / "model"), "--model.tiny",
+           "--train.steps", str(steps), "--model.path", str(tmp_path / "model"), "--model.tiny",
            "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--logging.report", "false", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -31,15 +31,15 @@ def _launch(tmp_path, name, nproc, config, *extra):
     return rows, engines
 
 
-def _check(rows, engines, n_engines):
+def _check(rows, engines, n_engines, learns: bool = True):
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     diff = max(r["rollout_is/rollout_logp_abs_diff"] for r in rows)
     print(f"reward first5 {first:.3f} last5 {last:.3f}; max engine/trainer |logp diff| {diff:.1e}; "
           f"sync {rows[-1]['timing/sync']:.3f} s")
-    assert last >= first + 0.2
+    assert last >= first + 0.2 or not learns
     assert diff < 1e-4, "the engines sample with exactly the weights the trainer synced"
-    assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["weight_version"] for r in rows] == list(range(1, len(rows) + 1))
     assert len(engines) == n_engines
     assert not any(group_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
 
