@@ -92,12 +92,8 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
                 return error(409, why)
             if state.joined is None:
                 return error(409, "no collective group is open: POST /mgrpo/collective/open first")
-            update.committing = version
-            try:
-                result = await apply_version(gate, update, engine_client, version, update_timeout_s,
-                                             lambda timeout: receive(version, timeout))
-            finally:
-                update.committing = None
+            result = await apply_version(gate, update, engine_client, version, update_timeout_s,
+                                         lambda timeout: receive(version, timeout))
             if isinstance(result, dict):
                 update.owner.committed(version)
             else:

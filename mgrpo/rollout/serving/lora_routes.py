@@ -84,12 +84,8 @@ def add_lora_routes(app, engine_client, gate, staging, update: UpdateState, upda
             except Exception as exc:  # noqa: BLE001  (safetensors raises its own errors on a bad header)
                 shutil.rmtree(folder, ignore_errors=True)
                 return error(400, f"adapter of version {version} rejected, nothing loaded: {exc}")
-            update.committing = version
-            try:
-                result = await apply_version(gate, update, engine_client, version, update_timeout_s,
-                                             lambda timeout: _load(version, folder))
-            finally:
-                update.committing = None
+            result = await apply_version(gate, update, engine_client, version, update_timeout_s,
+                                         lambda timeout: _load(version, folder))
             if not isinstance(result, dict):  # an error response; the previous adapter still serves
                 shutil.rmtree(folder, ignore_errors=True)
                 return result

@@ -63,6 +63,15 @@ class UpdateFailed(Exception):
 
 
 async def apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load):
+    """`update.committing` names `version` while it applies (a PUT of it is refused, GET /mgrpo/version shows it)."""
+    update.committing = version
+    try:
+        return await _apply_version(gate, update, engine_client, version, timeout_s, load)
+    finally:
+        update.committing = None
+
+
+async def _apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load):
     """Pause generation (requests in flight finish), `await load(seconds left)` -> receipt, reset the prefix cache,
     stamp the version, resume; all within `timeout_s`. Past the deadline, after a half-done load, or when vLLM
     keeps blocks and refuses to reset its prefix cache, the server is poisoned. Returns the receipt with the time
@@ -183,11 +192,7 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
                 missing = sorted(set(range(len(digests))) - set(have))[:5]
                 return error(409, f"version {version} is not completely staged (count {count}, staged "
                                   f"{len(have)}, missing or different: {missing}); resend its buckets")
-            update.committing = version
-            try:
-                result = await _apply(version, [staging.buckets[i][0] for i in range(count)])
-            finally:
-                update.committing = None
+            result = await _apply(version, [staging.buckets[i][0] for i in range(count)])
             if isinstance(result, dict):  # applied (an error is a response)
                 update.owner.committed(version)
                 staging.reset(None)
