@@ -223,7 +223,8 @@ def _allocate_adam_state(optimizer) -> None:
 
 
 class Saver:
-    """Periodic saves of the whole training state (synchronous, or megatron's async save), `latest`, pruning."""
+    """Periodic saves of the whole training state (synchronous, or async: mgrpo/checkpoint_writer.py), `latest`,
+    pruning."""
 
     def __init__(self, cfg):
         self.cfg, self.c = cfg, cfg.checkpoint
@@ -234,9 +235,9 @@ class Saver:
                   f"{found[-1][0]}; this fresh run replaces them as it goes (--resume continues that run instead)",
                   file=sys.stderr, flush=True)
         if self.c.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from mgrpo.checkpoint_writer import spawned_writer_queue
 
-            self.queue = AsyncCallsQueue()
+            self.queue = spawned_writer_queue()
 
     def due(self, done_steps: int) -> bool:
         return bool(self.c.save_dir) and self.c.save_interval > 0 and (
