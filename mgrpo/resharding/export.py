@@ -109,7 +109,7 @@ def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKE
         if group[0][1].expert and experts:
             yield from _gather_group(group, eg, esize, etp, select)
         elif not group[0][1].expert and dense:
-            yield from _gather_group(group, tp_group, tp, select)
+            yield from _gather_group(group, tp_group, tp, select=select)
 
 
 def _send_bucket(bucket: Bucket, dst: int) -> None:
