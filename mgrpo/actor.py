@@ -25,8 +25,9 @@ class Actor:
     def __init__(self, cfg, model_dir: str, train: bool = True):
         self.cfg = cfg
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
+        local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
         chunks = build_model(model_dir, cfg.parallel, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if lora else None)
+                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if local else None)
         load_hf(chunks, model_dir)
         if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
             from mgrpo.models.lora import apply_lora
@@ -74,9 +75,17 @@ class Actor:
         self.scheduler = make_scheduler(self.optimizer, t)
 
     def _logprobs(self, mb, logits, entropy: bool = False):
+        """Per-token logprobs (and entropies) [B, L]; a packed row's are scattered back to the padded layout."""
         tp = mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
-        return vocab_parallel_logprobs(logits, mb["targets"], tp, temperature=self.cfg.rollout.temperature,
-                                       compute_entropy=entropy, vocab_size=self.info.vocab_size)
+        packed = mb.get("packed")
+        targets = mb["targets"] if packed is None else packed["targets"][None]
+        logp, ent = vocab_parallel_logprobs(logits, targets, tp, temperature=self.cfg.rollout.temperature,
+                                            compute_entropy=entropy, vocab_size=self.info.vocab_size)
+        if packed is None:
+            return logp, ent
+        from mgrpo.data.packing import unpack
+
+        return unpack(packed, logp), None if ent is None else unpack(packed, ent)
 
     @torch.no_grad()
     def logprobs(self, microbatches: list, entropy: bool = False):

@@ -226,6 +226,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     micro_batch_size: int = 4  # samples per micro-batch on each DP rank
+    max_tokens_per_microbatch: int = 0  # > 0: micro-batches by token budget (verl's use_dynamic_bsz), DP-balanced
+    sequence_packing: bool = False  # padding-free rows (verl's use_remove_padding, ms-swift's padding_free)
     steps_per_generation: int = 1  # mini-batches per generation batch, one optimizer step each (TRL's name)
     num_iterations: int = 1  # times the whole generation batch is replayed (verl ppo_epochs, TRL num_iterations)
     lr_schedule: str = "constant"  # constant | linear | cosine (megatron's OptimizerParamScheduler)
@@ -425,7 +427,8 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (async_problems, check_algorithm_names, check_algorithm_numbers,
                                      check_checkpoint, check_data, check_eval, check_logging, check_remote,
-                                     check_rewards, check_sampling, check_scheduler, check_vllm, lora_problems)
+                                     check_rewards, check_sampling, check_scheduler, check_vllm, lora_problems,
+                                     packing_problems)
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
@@ -467,7 +470,7 @@ def validate(cfg: Config) -> list[str]:
         e += must("train.min_lr", t.min_lr, 0 <= t.min_lr <= t.lr, f"in [0, train.lr={t.lr}]",
                   "the LR the schedule decays to, e.g. 0")
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
-    e += async_problems(cfg) + lora_problems(cfg)
+    e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg)
     return e
 
 

@@ -400,3 +400,18 @@ def validate_layout(cfg, model_info, world_size: int, cuda: bool) -> list[str]:
         e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
                  ".cuda() on the shared embedding); use pp=1 or an untied model")
     return e
+
+
+def packing_problems(cfg) -> list:
+    """train.max_tokens_per_microbatch and train.sequence_packing against the layout."""
+    t, p = cfg.train, cfg.parallel
+    if t.max_tokens_per_microbatch < 0:
+        return [f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: use a positive token budget, or 0 "
+                f"for micro-batches of train.micro_batch_size samples"]
+    if t.max_tokens_per_microbatch and p.pp > 1 and not t.sequence_packing:
+        return ["train.max_tokens_per_microbatch with parallel.pp > 1 needs train.sequence_packing true: pipeline "
+                "stages exchange one activation shape, so micro-batches must be single packed rows"]
+    if t.max_tokens_per_microbatch and p.vpp:
+        return ["train.max_tokens_per_microbatch with parallel.vpp: the interleaved schedule needs a fixed number of "
+                "micro-batches; use train.micro_batch_size"]
+    return []

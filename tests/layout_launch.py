@@ -33,6 +33,12 @@ LAUNCHES = {
 # tp2-loraswap is the negative control (each TP rank holds another rank's shard of layer 0's q_proj B).
 LAUNCHES[2] += ["lora:tp2", "lora:tp2-sp", "lora:pp2", "lora:tp2-loraswap"]
 LAUNCHES[4] += ["lora:tp2-pp2", "lora:tp2-dp2-distopt", "lora:tp2-pp2-vpp2-sp"]
+# Sequence packing and token-budget micro-batches (DP-balanced) against the padded TP1 run; cp2-pack-crossattn is the
+# negative control (CP attention across the samples of a packed row).
+LAUNCHES[2] += ["tp2-pack", "tp2-sp-pack", "cp2-pack", "cp2-pack-loss_gspo", "pp2-pack-budget48", "dp2-pack-budget48",
+                "dp2-budget48", "cp2-pack-crossattn"]
+LAUNCHES[4] += ["tp2-cp2-pack", "tp2-dp2-pack-budget40"]
+LAUNCHES[2].append(LAUNCHES[2].pop(LAUNCHES[2].index("cp2-nozigzag")))  # last: it patches the CP split for good
 LORA_ARGS = ["--model.lora.rank", "4", "--model.lora.alpha", "8"]
 LORA_ADAPTER = "lora_adapter.safetensors"  # in the launch's output folder
 # Qwen3-MoE (8 experts, top-2, a dense layer among sparse ones): EP2 (DP2), TP2xEP2 (SP: megatron needs it with

@@ -107,9 +107,13 @@ def describe_batching(cfg, dp: int) -> str:
     updates = t.steps_per_generation * t.num_iterations
     old = "old logprobs computed once per rollout" if updates > 1 else \
         "old logprobs skipped (one update per rollout: they equal the current policy's)"
+    micro = f"{-(-per_dp // mbs)} micro-batch(es) of <= {mbs}"
+    if t.max_tokens_per_microbatch:
+        micro = f"micro-batches of <= {t.max_tokens_per_microbatch} tokens (DP shares balanced by tokens)"
+    if t.sequence_packing:
+        micro += ", each one packed row (padding-free)"
     return (f"batching: {total} samples -> {t.steps_per_generation} mini-batch(es) of {mini} x {t.num_iterations} "
-            f"iteration(s) -> {updates} optimizer step(s) per rollout; {dp} DP rank(s) x {-(-per_dp // mbs)} "
-            f"micro-batch(es) of <= {mbs}; {old}")
+            f"iteration(s) -> {updates} optimizer step(s) per rollout; {dp} DP rank(s) x {micro}; {old}")
 
 
 def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
@@ -144,16 +148,31 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
         idx = list(range(k * size, (k + 1) * size))
         chunk = [samples[i] for i in idx]
         weights = token_weights(chunk, alg.aggregation, cfg.rollout.max_tokens, include=trained[idx].tolist())
-        local = dp_shard(list(range(len(idx))), dp_rank, dp)
+        local, groups = this_rank_share(chunk, t, dp_rank, dp)
         mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
                                 cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
                                 token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
-                                cp_size=cfg.parallel.cp, device=device())
+                                cp_size=cfg.parallel.cp, device=device(), groups=groups,
+                                packing=t.sequence_packing)
         minis.append(MiniBatch(mbs, [idx[i] for i in local]))
     needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0) \
         or alg.top_entropy_quantile < 1 or log_entropy  # entropies come from the old-logprob pass
     return GenerationBatch(samples, minis, rewards, valid, torch.tensor([s.group_id for s in samples]),
                            [sum(s.loss_mask) for s in samples], needs_old, alg.top_entropy_quantile, log_entropy)
+
+
+def this_rank_share(chunk: list, t, dp_rank: int, dp: int) -> tuple:
+    """(indices of this DP rank's samples in `chunk`, micro-batch groups or None). With a token budget or packing
+    the DP shares balance tokens (equal counts); the budget then groups them (data/packing.py)."""
+    if not (t.max_tokens_per_microbatch or t.sequence_packing):
+        return dp_shard(list(range(len(chunk))), dp_rank, dp), None
+    from mgrpo.data.packing import balanced_dp_shard, budget_groups
+
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
+    local = balanced_dp_shard(lengths, dp_rank, dp)
+    if not t.max_tokens_per_microbatch:
+        return local, None
+    return local, budget_groups([lengths[i] for i in local], t.max_tokens_per_microbatch, t.sequence_packing)
 
 
 def sequence_kl(batch: GenerationBatch) -> torch.Tensor:

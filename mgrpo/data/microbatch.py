@@ -21,7 +21,8 @@ SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "
 
 def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
                       pad_to_multiple: int = 1, same_length: bool = False, token_weights=None,
-                      cp_rank: int = 0, cp_size: int = 1, device=None) -> list:
+                      cp_rank: int = 0, cp_size: int = 1, device=None, groups: list | None = None,
+                      packing: bool = False) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
     loss_mask [b, L] aligned with the logits, advantages, rollout_logp, has_rollout (0 for samples whose
     rollout_logprobs are None: their rollout_logp is not zeros to be trusted) and token_weight [b, L] (the
@@ -32,16 +33,23 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
     With cp_size > 1 the length is padded to a multiple of 2 x cp and every per-token tensor keeps only this
     rank's zigzag chunks (targets are shifted on the full sequence first); megatron slices RoPE itself.
     Built in host memory, then each micro-batch moves to `device` in one go (the trainer's `device()`).
+    `groups` (lists of sample indices, e.g. by token budget) replace the runs of `micro_batch_size`; `packing` adds
+    the padding-free row the model runs on (mgrpo/data/packing.py) and leaves the [B, L] tensors unsplit under CP.
     """
     if cp_size > 1:
         pad_to_multiple = pad_to_multiple * 2 * cp_size
     out = []
-    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    for start in range(0, len(samples), micro_batch_size):
-        group = samples[start: start + micro_batch_size]
+    sizes = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    longest = max(sizes)
+    if groups is None:
+        groups = [list(range(k, min(k + micro_batch_size, len(samples)))) for k in range(0, len(samples),
+                                                                                      micro_batch_size)]
+    longest_row = max(sum(sizes[i] for i in g) for g in groups) if same_length else None
+    for members in groups:
+        group = [samples[i] for i in members]
         seqs = [s.prompt_ids + s.response_ids for s in group]
-        length = longest if same_length else max(len(x) for x in seqs)
-        length = -(-length // pad_to_multiple) * pad_to_multiple
+        length = longest if same_length and not packing else max(len(x) for x in seqs)
+        length = -(-length // (1 if packing else pad_to_multiple)) * (1 if packing else pad_to_multiple)
         b = len(group)
         ids = torch.full((b, length), pad_id, dtype=torch.long)
         targets = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
@@ -65,19 +73,24 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
                     rollout_logp[i, span] = torch.tensor(s.rollout_logprobs) * on
                     has_rollout[i, span] = on.float()
                 if token_weights is not None:
-                    weight[i, span] = torch.tensor(token_weights[start + i], dtype=torch.float64) * on
+                    weight[i, span] = torch.tensor(token_weights[members[i]], dtype=torch.float64) * on
             if advantages is not None:
-                adv[i] = float(advantages[start + i])
+                adv[i] = float(advantages[members[i]])
         mb = {
             "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask,
             "rollout_logp": rollout_logp, "has_rollout": has_rollout, "token_weight": weight.float(),
             "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
-            "sample_index": list(range(start, start + b)), "cp_size": cp_size, "valid": valid,
+            "sample_index": list(members), "cp_size": cp_size, "valid": valid,
         }
         if routing is not None:
             mb["routing"] = routing
-        if cp_size > 1:
+        if packing:
+            from mgrpo.data.packing import pack
+
+            pack(mb, [len(x) for x in seqs], pad_id, pad_to_multiple, cp_rank, cp_size, longest_row)
+            mb["attention_mask"] = None  # the padded layout is not run; its [B, L] tensors stay whole under CP
+        elif cp_size > 1:
             from mgrpo.parallel.context_parallel import split_for_cp
 
             for key in SEQ_KEYS:

@@ -12,15 +12,17 @@ the K/V gradients and keeps this rank's slice), put back in global order, repeat
 attended with a causal mask built from global positions: the query at global position i sees key j iff j <= i.
 Softmax runs in fp32 with scale 1/sqrt(head_dim) (or the given softmax_scale).
 
-`attention_mask` is ignored: masking is causal by position only. That is exact for our batches, whose padding
+`attention_mask` is ignored: masking is causal by position only (and, for a packed row, within each sample: see
+`attend_within`). That is exact for our batches, whose padding
 sits at the end of each sequence (real tokens never attend to later pad tokens; pad outputs are masked out of
-the loss). Packed sequences (`packed_seq_params`), attention bias, sliding windows and non-vanilla softmax are
+the loss). megatron's THD packing (`packed_seq_params`), attention bias, sliding windows and non-vanilla softmax are
 not supported and raise. The CP group comes from `cp_group`, else `pg_collection.cp`, else megatron's
 parallel_state CP group; never WORLD. `cp_comm_type` is accepted for signature compatibility and ignored (this
 is always all-gather K/V). Memory is O(s_local * S) scores per head: fine for the sizes we train on CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -44,6 +46,18 @@ from mgrpo.parallel.context_parallel import (
 )
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_SEGMENTS: Optional[Tensor] = None  # the packed row's sample of each global position (mgrpo/data/packing.py)
+
+
+@contextlib.contextmanager
+def attend_within(segments: Optional[Tensor]):
+    """While a packed row runs: each query attends only to keys of its own segment (sample)."""
+    global _SEGMENTS
+    previous, _SEGMENTS = _SEGMENTS, segments
+    try:
+        yield
+    finally:
+        _SEGMENTS = previous
 
 
 class CPDotProductAttention(MegatronModule):
@@ -161,6 +175,9 @@ class CPDotProductAttention(MegatronModule):
         if self.coeff is not None:
             scores = scores * self.coeff
         blocked = k_pos[None, :] > q_pos[:, None]  # [sq, S]: True = may not attend
+        if _SEGMENTS is not None:  # a packed row: only keys of the query's own sample
+            seg = _SEGMENTS.to(device)
+            blocked = blocked | (seg[None, :] != seg[q_pos][:, None])
         scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
 

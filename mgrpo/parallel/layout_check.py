@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from mgrpo.data.batching import this_rank_share
 from mgrpo.data.microbatch import dp_shard, make_microbatches
 from mgrpo.loss.aggregation import token_weights
 from mgrpo.models.lora import has_lora, peft_tensors
@@ -50,7 +51,7 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     if corrupt is not None:
         corrupt(actor)
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    idx = dp_shard(list(range(len(samples))), dp_rank, dp_size)
+    idx, groups = this_rank_share(samples, cfg.train, dp_rank, dp_size)  # the trainer's DP split and micro-batches
     local = [samples[i] for i in idx]
     advs = [s.info["advantage"] for s in local]
     weights = weights_fn(samples) if weights_fn else token_weights(samples, cfg.algorithm.aggregation,
@@ -58,7 +59,7 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     pad = cfg.parallel.tp if cfg.parallel.sp else 1
     mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1,
                             token_weights=[weights[i] for i in idx], cp_rank=mpu.get_context_parallel_rank(),
-                            cp_size=cfg.parallel.cp)
+                            cp_size=cfg.parallel.cp, groups=groups, packing=cfg.train.sequence_packing)
     for mb in mbs:
         mb["old_logp"] = mb["rollout_logp"]
     if cfg.algorithm.top_entropy_quantile < 1:

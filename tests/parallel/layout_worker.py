@@ -35,7 +35,12 @@ def layout_args(spec: str) -> list:
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
         elif part == "topent":  # the top-entropy token mask, 30% of the tokens
             args += ["--algorithm.top_entropy_quantile", "0.3"]
-        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts", "loraswap") or part.startswith("dp"):
+        elif part == "pack":
+            args += ["--train.sequence_packing", "true"]
+        elif part.startswith("budget"):
+            args += ["--train.max_tokens_per_microbatch", part[len("budget"):]]
+        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts", "loraswap",
+                      "crossattn") or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
@@ -91,6 +96,22 @@ def contiguous_cp_split(actor):
     cp.zigzag_indices = contiguous  # split_for_cp looks it up at call time; the attention keeps its own copy
 
 
+def attention_across_samples(actor):
+    """Negative control: this actor's CP attention ignores the packed row's segments (queries see earlier samples)."""
+    from mgrpo.models.cp_attention import CPDotProductAttention, attend_within
+
+    def blind(forward):
+        def run(*args, **kwargs):
+            with attend_within(None):
+                return forward(*args, **kwargs)
+        return run
+
+    for model in actor.models():
+        for module in model.modules():
+            if isinstance(module, CPDotProductAttention):
+                module.forward = blind(module.forward)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -121,7 +142,8 @@ def main():
             run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
         else:
             corrupt = {"wrongshard": swap_proj_shards, "localseq": per_rank_seq_sum,
-                       "nozigzag": contiguous_cp_split, "swapexperts": swap_ep_experts}.get(spec.rpartition("-")[2])
+                       "nozigzag": contiguous_cp_split, "swapexperts": swap_ep_experts,
+                       "crossattn": attention_across_samples}.get(spec.rpartition("-")[2])
             if mode == "lora":
                 corrupt = lora_loader(os.path.join(args.out, LORA_ADAPTER), swap="loraswap" in layout.split("-"))
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None

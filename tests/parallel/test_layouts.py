@@ -30,7 +30,7 @@ def compare(ref: dict, got: dict, what: str, rel_floor: float = REL_FLOOR) -> fl
     return worst
 
 
-NEGATIVE = ("wrongshard", "localseq", "nozigzag", "rankq")
+NEGATIVE = ("wrongshard", "localseq", "nozigzag", "rankq", "crossattn")
 
 
 def reference_tag(tag: str) -> str:
@@ -69,7 +69,8 @@ def test_first_mini_batch_matches_tp1(layout_results, tag):
     assert abs(full["loss"] - first["loss"]) > 1e-4, "the mini-batch is a different batch from the whole"
 
 
-@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag", "dp2-topent-rankq"])
+@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag", "dp2-topent-rankq",
+                                 "cp2-pack-crossattn"])
 def test_negative_controls_are_detected(layout_results, tag):
     """A shard from the wrong TP rank, GSPO's sequence ratio reduced per CP rank instead of across the CP
     group, a contiguous (not zigzag) CP split, and the entropy mask's quantile taken per DP rank instead of over
