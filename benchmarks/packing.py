@@ -55,9 +55,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model = make_tiny_hf(os.path.join(work, "m"), vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8,
                              num_kv_heads=2, ffn_hidden_size=1408, seed=0)
-        cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl"], check_files=False)
-        cfg.train.sequence_packing = True  # the local attention path for both (the padded run ignores it)
-        actor = Actor(cfg, model)
+        actors = {}
+        for packed in (False, True):  # the padded path as before (megatron's attention), the packed one (ours)
+            cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl"], check_files=False)
+            cfg.train.sequence_packing = packed
+            actors[packed] = Actor(cfg, model)
         weights = token_weights(samples, cfg.algorithm.aggregation, 512)
         advs = [float(i % 3) - 1.0 for i in range(len(samples))]
         ways = {"padded, 8 per micro-batch": (False, None), "packed, 8 per row": (True, None),
@@ -65,6 +67,7 @@ def main() -> None:
                 "packed, 4096-token budget": (True, budget_groups(lengths, 4096, True))}
         rows, grads = {}, {}
         for name, (packed, groups) in ways.items():
+            actor = actors[packed]
             mbs = make_microbatches(samples, 8, 0, advs, token_weights=weights, groups=groups, packing=packed)
             run = sum(model_inputs(mb)[0].numel() for mb in mbs)
             times = []

@@ -27,7 +27,8 @@ class Actor:
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
         local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
         chunks = build_model(model_dir, cfg.parallel, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if local else None)
+                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if local else None,
+                             packing=cfg.train.sequence_packing)
         load_hf(chunks, model_dir)
         if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
             from mgrpo.models.lora import apply_lora

@@ -3,8 +3,9 @@ micro-batches by token budget (`train.max_tokens_per_microbatch`, verl's use_dyn
 
 A packed micro-batch runs the model on ONE row: its samples' tokens back to back, padded only at the end (to a
 multiple of TP under SP, of 2 x CP under CP). Each token's RoPE position restarts with its sample and attention
-stays inside its sample: a block-diagonal causal mask on the local attention path, segment ids in our CP attention
-(`models/cp_attention.py`). Under CP the packed row is split in megatron's zigzag layout like any sequence.
+stays inside its sample: our core attention (`models/cp_attention.py`, in the layer spec whenever packing is on)
+attends each sample on its own (cost ~ sum of squared lengths, not the row's square), or under CP masks by segment
+ids over the gathered row. Under CP the packed row is split in megatron's zigzag layout like any sequence.
 The loss side does not change: the logprobs of the packed tokens are scattered back into the padded [B, L] layout
 (`unpack`, differentiable), so every loss, aggregation and sequence sum sees the tensors of the padded path; under
 CP the [B, L] masks keep only this rank's tokens and sequence sums all-reduce over CP as before.
@@ -85,15 +86,8 @@ def pack(mb: dict, lengths: list, pad_id: int, multiple: int, cp_rank: int, cp_s
         for key in ("loss_mask", "token_weight", "has_rollout", "rollout_logp", "advantages"):
             mb[key] = mb[key] * here.to(mb[key].dtype)
         mb["valid"] = mb["valid"] & here.bool()
-    local["attention_mask"] = None if cp_size > 1 else block_causal_mask(packed["segments"])
+    local["attention_mask"] = None  # our core attention masks by segment and position (models/cp_attention.py)
     mb["packed"] = local
-
-
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool, True where a query may NOT attend: another sample, or a later position."""
-    t = len(segments)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    return ~(causal & (segments[:, None] == segments[None, :]))[None, None]
 
 
 def unpack(packed: dict, x: torch.Tensor) -> torch.Tensor:

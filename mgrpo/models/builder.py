@@ -79,9 +79,10 @@ def _without_te_moe_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False):
+def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False, packing: bool = False):
     """TE spec where TransformerEngine imports (GPU); local spec with SP-capable RMSNorm otherwise. `experts`: the
-    MLP is megatron's MoE layer (config.num_moe_experts experts; a loop of experts unless moe_grouped_gemm)."""
+    MLP is megatron's MoE layer (config.num_moe_experts experts; a loop of experts unless moe_grouped_gemm).
+    `packing`: our core attention, which keeps each sample of a packed row to itself (mgrpo/data/packing.py)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
@@ -95,7 +96,7 @@ def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False):
     sub = spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
-    if config.context_parallel_size > 1:  # megatron's local attention refuses CP without TE
+    if config.context_parallel_size > 1 or packing:  # megatron's local attention refuses CP without TE
         from mgrpo.models.cp_attention import CPDotProductAttention
 
         sub.self_attention.submodules.core_attention = CPDotProductAttention
@@ -157,16 +158,16 @@ def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None):
+def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None, packing: bool = False):
     """This chunk's layer specs: the MoE layer where info.moe says a layer is sparse, the dense one elsewhere."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     use_te = have_transformer_engine() if use_te is None else use_te
-    dense = add_hf_biases(layer_spec(config, use_te), info)
+    dense = add_hf_biases(layer_spec(config, use_te, packing=packing), info)
     if info.moe is None and use_te:
         return dense  # TE's spec brings its own final norm
-    sparse = layer_spec(config, use_te, experts=True) if info.moe is not None else None
+    sparse = layer_spec(config, use_te, experts=True, packing=packing) if info.moe is not None else None
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = [sparse if info.moe is not None and info.moe.sparse_layers[first + i] else dense for i in range(n)]
@@ -181,9 +182,10 @@ def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None
 
 def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "float32",
                 make_vocab_size_divisible_by: int = 128, config_overrides: Optional[dict] = None,
-                seed: int = 1234, moe=None, use_te: Optional[bool] = None) -> list:
+                seed: int = 1234, moe=None, use_te: Optional[bool] = None, packing: bool = False) -> list:
     """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first. `moe`: the
-    config's MoeConfig (a model with experts only). `use_te`: None = TransformerEngine's spec where it imports."""
+    config's MoeConfig (a model with experts only). `use_te`: None = TransformerEngine's spec where it imports.
+    `packing`: runs packed rows (train.sequence_packing; the local spec with our core attention)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
@@ -198,7 +200,7 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
-            config=config, transformer_layer_spec=_block_spec(config, info, stage, use_te), vocab_size=vocab,
+            config=config, transformer_layer_spec=_block_spec(config, info, stage, use_te, packing), vocab_size=vocab,
             max_sequence_length=info.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

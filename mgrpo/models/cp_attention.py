@@ -169,16 +169,25 @@ class CPDotProductAttention(MegatronModule):
             key = key.repeat_interleave(n_heads // groups, dim=2)
             value = value.repeat_interleave(n_heads // groups, dim=2)
 
+        if _SEGMENTS is not None and cp_size == 1:  # a packed row on one rank: each sample on its own
+            return torch.cat([self._attend(query[a:e], key[a:e], value[a:e], q_pos[: e - a], k_pos[: e - a])
+                              for a, e in _runs(_SEGMENTS)])
+        blocked = None
+        if _SEGMENTS is not None:  # a packed row split over CP: only keys of the query's own sample
+            seg = _SEGMENTS.to(device)
+            blocked = seg[None, :] != seg[q_pos][:, None]
+        return self._attend(query, key, value, q_pos, k_pos, blocked)
+
+    def _attend(self, query, key, value, q_pos, k_pos, blocked=None) -> Tensor:
+        """Causal attention of queries at q_pos over keys at k_pos ([sq, b, np, hn] each, K/V already per head)."""
+        sq, b, n_heads, head_dim = query.shape
         # [b, np, sq, hn] x [b, np, hn, S] -> [b, np, sq, S]
         scores = torch.matmul(query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0)) * self.softmax_scale
         scores = scores.float()
         if self.coeff is not None:
             scores = scores * self.coeff
-        blocked = k_pos[None, :] > q_pos[:, None]  # [sq, S]: True = may not attend
-        if _SEGMENTS is not None:  # a packed row: only keys of the query's own sample
-            seg = _SEGMENTS.to(device)
-            blocked = blocked | (seg[None, :] != seg[q_pos][:, None])
-        scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+        later = k_pos[None, :] > q_pos[:, None]  # [sq, S]: True = may not attend
+        scores = scores.masked_fill(later if blocked is None else later | blocked, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
 
         if self.attention_dropout.p > 0 and self.training:
@@ -191,3 +200,10 @@ class CPDotProductAttention(MegatronModule):
         # [b, np, sq, S] x [b, np, S, hn] -> [b, np, sq, hn] -> [sq, b, np * hn]
         context = torch.matmul(probs, value.permute(1, 2, 0, 3))
         return context.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
+
+
+def _runs(segments: Tensor) -> list:
+    """[(start, end)] of the runs of equal segment ids (a packed row's samples, then its padding)."""
+    change = (segments[1:] != segments[:-1]).nonzero().flatten().add(1).tolist()
+    edges = [0, *change, len(segments)]
+    return list(zip(edges[:-1], edges[1:]))

@@ -1,7 +1,7 @@
 """Sequence packing and token-budget micro-batches (mgrpo/data/packing.py) at TP1, in-process: on a batch whose
 lengths spread from 16 to 512 tokens the packed path's loss and gradients equal the padded path's (abs <= 1e-5, the
-reference being the padded run of the same megatron model); two negative controls (attention across samples, RoPE at
-row positions) each break it. The TP2, TP2+SP, CP2, PP2 and DP2 layouts run in the shared layout launch against the
+reference being the padded run of the same megatron model, megatron's own attention); the negative control (the row
+attended as one sequence) breaks it. The TP2, TP2+SP, CP2, PP2 and DP2 layouts run in the shared layout launch against the
 padded TP1 run (tests/parallel/test_layouts.py)."""
 import time
 
@@ -28,11 +28,11 @@ def test_budget_groups_and_dp_balance():
     assert abs(loads[0] - loads[1]) <= 100, loads  # the first and second half: 1010 / 440
 
 
-def test_block_causal_mask():
-    m = packing.block_causal_mask(torch.tensor([0, 0, 1, 1, 1, 2]))[0, 0]
-    allowed = ~m
-    assert allowed[1, 0] and not allowed[0, 1] and not allowed[2, 1] and allowed[4, 2] and allowed[5, 5]
-    assert not allowed[5, 4]
+def test_runs_of_a_packed_row():
+    from mgrpo.models.cp_attention import _runs
+
+    assert _runs(torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])) == [(0, 2), (2, 5), (5, 6), (6, 8)]
+    assert _runs(torch.tensor([4])) == [(0, 1)]
 
 
 def spread_samples(n=8, seed=0):
@@ -54,18 +54,23 @@ def spread_samples(n=8, seed=0):
 
 
 @pytest.fixture(scope="module")
-def actor(single_rank, tiny_dirs):
+def actors(single_rank, tiny_dirs):
+    """{False: the padded path's actor (megatron's local attention), True: the packed path's (ours)}."""
     from mgrpo.actor import Actor
     from mgrpo.config import load_config
 
     model = tiny_dirs("packing_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=4)
-    cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl", "--train.micro_batch_size", "4",
-                            "--algorithm.policy_loss", "gspo"], check_files=False)  # a sequence-level ratio
-    cfg.train.sequence_packing = True
-    return Actor(cfg, model)
+    out = {}
+    for packing_on in (False, True):
+        cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl", "--algorithm.policy_loss",
+                                "gspo"], check_files=False)  # a sequence-level ratio
+        cfg.train.sequence_packing = packing_on
+        out[packing_on] = Actor(cfg, model)
+    return out
 
 
-def run(actor, samples, packing_on: bool, budget: int = 0):
+def run(actors, samples, packing_on: bool, budget: int = 0):
+    actor = actors[packing_on]
     from mgrpo.loss.aggregation import token_weights
 
     groups = packing.budget_groups([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
@@ -86,12 +91,12 @@ def worst(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_packed_equals_padded_on_lengths_16_to_512(actor):
+def test_packed_equals_padded_on_lengths_16_to_512(actors):
     samples = spread_samples()
     real = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    loss0, grads0, t0, run0 = run(actor, samples, False)
-    loss1, grads1, t1, run1 = run(actor, samples, True)
-    loss2, grads2, t2, run2 = run(actor, samples, True, budget=700)
+    loss0, grads0, t0, run0 = run(actors, samples, False)
+    loss1, grads1, t1, run1 = run(actors, samples, True)
+    loss2, grads2, t2, run2 = run(actors, samples, True, budget=700)
     print(f"\npadded: {run0} tokens run ({1 - real / run0:.0%} padding), {t0:.2f} s; packed: {run1} tokens "
           f"({1 - real / run1:.0%}), {t1:.2f} s; packed by 700-token budget: {run2} tokens, {t2:.2f} s")
     print(f"loss diff {abs(loss1 - loss0):.1e} / {abs(loss2 - loss0):.1e}, grad diff {worst(grads1, grads0):.1e} / "
@@ -102,23 +107,27 @@ def test_packed_equals_padded_on_lengths_16_to_512(actor):
     assert max(float(g.abs().max()) for g in grads0.values()) > 1e-2, "the gradients are not trivially zero"
 
 
-def test_negative_control_attention_across_samples(actor, monkeypatch):
+def test_negative_control_attention_across_samples(actors, monkeypatch):
+    """Without the segments the packed row is one causal sequence: each sample also sees the samples before it."""
     samples = spread_samples(4, seed=1)
-    loss0, grads0, _, _ = run(actor, samples, False)
-    real_mask = packing.block_causal_mask
-    with monkeypatch.context() as m:  # one causal mask over the whole row
-        m.setattr(packing, "block_causal_mask", lambda seg: real_mask(torch.zeros_like(seg)))
-        _, grads, _, _ = run(actor, samples, True)
+    loss0, grads0, _, _ = run(actors, samples, False)
+    import contextlib
+
+    from mgrpo.models import cp_attention
+
+    with monkeypatch.context() as m:  # the row attended as one sequence (causal over every sample before)
+        m.setattr(cp_attention, "attend_within", lambda segments: contextlib.nullcontext())
+        _, grads, _, _ = run(actors, samples, True)
     assert worst(grads, grads0) > 1e-3
-    _, grads1, _, _ = run(actor, samples, True)
+    _, grads1, _, _ = run(actors, samples, True)
     assert worst(grads1, grads0) <= ABS
 
 
-def test_rope_positions_restart_with_each_sample(actor):
+def test_rope_positions_restart_with_each_sample(actors):
     """RoPE is relative, so within-sample attention does not see a constant offset (the row positions give the same
     result up to rounding); the packed row still takes each token's angle at its position in its sample, as the
     padded path does (large angles lose precision in bf16)."""
-    model = actor.models()[0]
+    model = actors[True].models()[0]
     table = model.rotary_pos_emb(64)
     positions = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 4])
     with packing.packed_rope(model, positions):
