@@ -9,6 +9,8 @@ on an event: on CPU the copies are already done, so every stream is the same no-
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -27,10 +29,25 @@ def _is_cuda(device) -> bool:
     return False
 
 
+_REWRITTEN = {torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to}  # what may name CUDA without keywords
+
+
+@contextlib.contextmanager
+def without_shims():
+    """Plain torch for code that is not megatron's (the HF engine's forward and sampling): no mode on each op."""
+    if not _APPLIED:
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements inside megatron into CPU ones; everything else passes through."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and func not in _REWRITTEN:  # nearly every op: the mode costs a Python call per op
+            return func(*args)
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]

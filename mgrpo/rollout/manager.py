@@ -12,7 +12,6 @@ engine.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from mgrpo.data.dataset import encode_prompt
 from mgrpo.parallel.device import cpu_group, share_json
 from mgrpo.rollout.engine import request_seed
-from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams
+from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams, sample_dict
 from mgrpo.schedulers.driver import fail_aborted
 
 
@@ -156,7 +155,7 @@ class RolloutManager:
             r = self.cfg.reward
             score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
             fail_aborted(samples)  # trajectories that raised train nothing
-            return {"samples": [asdict(s) for s in samples]}
+            return {"samples": [sample_dict(s) for s in samples]}
         except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
             return {"error": f"step {step}: {type(exc).__name__}: {exc}"}
 

@@ -3,7 +3,7 @@ request/response types every engine speaks."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 
@@ -57,9 +57,15 @@ class Sample:
             raise ValueError("rollout_logprobs must be None or as long as response_ids")
 
 
+def sample_dict(sample: "Sample") -> dict:
+    """The fields as a dict, shallow: `dataclasses.asdict` deep-copies every token list (~12 ms a step for 32
+    samples of the tiny task), and the dict goes straight to JSON."""
+    return {f.name: getattr(sample, f.name) for f in fields(sample)}
+
+
 def samples_to_bytes(samples: list) -> bytes:
     """JSON, never pickle: samples cross process (and later network) boundaries."""
-    return json.dumps([asdict(s) for s in samples]).encode()
+    return json.dumps([sample_dict(s) for s in samples]).encode()
 
 
 def samples_from_bytes(data: bytes) -> list:

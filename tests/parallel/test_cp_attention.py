@@ -259,8 +259,8 @@ def _build_gpt(parallel):
 
     plain = builder.layer_spec
 
-    def cp_spec(config, use_te=None):
-        spec = plain(config, use_te=False)
+    def cp_spec(config, use_te=None, experts=False, packing=False):
+        spec = plain(config, use_te=False, experts=experts)
         spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
         return spec
 

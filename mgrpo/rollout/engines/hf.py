@@ -14,6 +14,7 @@ import time
 import torch
 
 from mgrpo.models.routing import encode_routing
+from mgrpo.parallel.cpu_shims import without_shims
 from mgrpo.parallel.device import device
 from mgrpo.resharding.bucket import ManifestCheck, dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
@@ -144,7 +145,7 @@ class HFEngine:
             self._inflight += 1
         try:
             out = []
-            with self._one_at_a_time:
+            with self._one_at_a_time, without_shims():  # HF's model: no megatron CPU shim on each op
                 for start in range(0, len(requests), self.max_num_seqs):
                     out += self._generate_batch(requests[start: start + self.max_num_seqs], sampling)
             return out
