@@ -1,9 +1,10 @@
-"""Weight export at TP2 x PP2 (4 gloo processes) on a ~450 MB fp32 model: bucketed, coalesced TP gathers vs
+"""Weight export at TP2 x PP2 (4 gloo processes) on a ~450 MB fp32 model: direct sends (each TP rank's shards
+straight to the destination, the default), bucketed coalesced TP gathers forwarded by each stage's first rank, and
 one all-gather per parameter, side by side in one run, against the point-to-point limit (each rank's own bytes sent
 to rank 0 as they lie, in the same run), a plain memcpy of the same bytes and the
 sha256 a checked transport adds (payload + manifest of the exported tensors packed in buckets).
 
-    .venv/bin/python benchmarks/weight_export.py [--bucket-mb 32] [--reps 2]
+    .venv/bin/python benchmarks/weight_export.py [--bucket-mb 32] [--reps 4]
 
 Figures are measured on global rank 0, which receives every full tensor (as the rollout engine's rank does).
 Peak RSS is the increase during the export, sampled every 0.5 ms. Memcpy and sha256 are best of 3, on
@@ -44,22 +45,27 @@ def worker(bucket_mb: int, reps: int):
                      head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
                      attention_bias=True)
     chunks = build_model(info, parallel)
-    results = {}
-    for label, coalesce in (("coalesced", True), ("per_param", False)):
+    results, largest = {}, 0
+    for label, coalesce, direct in (("direct", True, True), ("coalesced", True, False), ("per_param", False, False)):
         times, peaks, nbytes = [], [], 0
         for _ in range(reps):
             dist.barrier()
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
                 nbytes = 0
-                for _, t in export_hf(chunks, dst=0, bucket_bytes=bucket_mb << 20, coalesce=coalesce):
+                for _, t in export_hf(chunks, dst=0, bucket_bytes=bucket_mb << 20, coalesce=coalesce,
+                                      direct=direct):
                     nbytes += t.numel() * t.element_size()
+                    largest = max(largest, t.numel() * t.element_size())
                 dist.barrier()
                 times.append(time.perf_counter() - t0)
             peaks.append(mem.increase_mb)
-        results[label] = {"time_s": min(times), "bytes": nbytes, "peak_rss_mb": max(peaks)}
+        peaks = torch.tensor(peaks)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank's
+        results[label] = {"time_s": min(times), "bytes": nbytes, "peak_rss_mb": float(peaks.max())}
     results["p2p_limit"] = {"time_s": min(p2p_to_rank0(chunks, bucket_mb << 20) for _ in range(reps)),
-                            "bytes": results["coalesced"]["bytes"]}
+                            "bytes": results["direct"]["bytes"]}
+    results["largest_mb"] = largest / 2 ** 20
     # one more export, kept on rank 0 as unchecked buckets, to time the digest a checked transport would add
     stream = export_hf(chunks, dst=0, bucket_bytes=bucket_mb << 20)
     buckets = []
@@ -112,7 +118,7 @@ def _timed(fn) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bucket-mb", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -129,23 +135,27 @@ def main():
         sys.exit(1)
     r = json.loads(lines[-1][len("RESULT "):])
     print(f"TP2 x PP2, 4 gloo processes on {os.cpu_count()} cores, bucket {args.bucket_mb} MB, "
-          f"{r['coalesced']['bytes'] / 1e6:.0f} MB exported to rank 0")
-    print(f"{'variant':<12}{'time s':>10}{'GB/s':>10}{'s per GB':>10}{'peak RSS MB':>14}")
-    for k in ("coalesced", "per_param", "p2p_limit", "memcpy", "sha256"):
+          f"{r['direct']['bytes'] / 1e6:.0f} MB exported to rank 0")
+    print(f"{'variant':<12}{'time s':>10}{'GB/s':>10}{'s per GB':>10}{'peak RSS MB (worst rank)':>26}")
+    for k in ("direct", "coalesced", "per_param", "p2p_limit", "memcpy", "sha256"):
         v = r[k]
         gbps = v["bytes"] / v["time_s"] / GB
-        print(f"{k:<12}{v['time_s']:>10.3f}{gbps:>10.3f}{1 / gbps:>10.3f}{v.get('peak_rss_mb', 0):>14.0f}")
-    c, p, m, h = (r[k]["bytes"] / r[k]["time_s"] / GB for k in ("coalesced", "per_param", "memcpy", "sha256"))
-    print(f"coalesced / per-parameter speed: {c / p:.2f}x; coalesced / memcpy: {c / m:.3f}")
+        print(f"{k:<12}{v['time_s']:>10.3f}{gbps:>10.3f}{1 / gbps:>10.3f}{v.get('peak_rss_mb', 0):>26.0f}")
+    e, c, p, m, h = (r[k]["bytes"] / r[k]["time_s"] / GB for k in ("direct", "coalesced", "per_param", "memcpy",
+                                                                     "sha256"))
+    bound = args.bucket_mb + r["largest_mb"] + 64
+    print(f"direct / coalesced gathers: {e / c:.2f}x; coalesced / per-parameter: {c / p:.2f}x; direct / memcpy: "
+          f"{e / m:.3f}")
+    print(f"memory bound (bucket + largest tensor {r['largest_mb']:.0f} MB + 64 MB): {bound:.0f} MB; direct's worst "
+          f"rank {r['direct']['peak_rss_mb']:.0f} MB")
     print(f"sha256 (payload + manifest): {h:.3f} GB/s = {1 / h:.3f} s per GB, vs memcpy {m:.3f} GB/s = "
-          f"{1 / m:.3f} s per GB; checking would add {c / h:.2f}x the coalesced export time")
+          f"{1 / m:.3f} s per GB; checking would add {e / h:.2f}x the direct export time")
     limit = r["p2p_limit"]["bytes"] / r["p2p_limit"]["time_s"] / GB
     print(f"p2p limit (every owner's bytes sent as they lie to rank 0; rank 0's own share not moved): {limit:.3f} "
-          f"GB/s of exported model; export / limit: {c / limit:.2f}")
-    print(f"result: export_gbps={c:.3f} p2p_limit_gbps={limit:.3f} export_vs_limit={c / limit:.2f} "
-          f"per_param_gbps={p:.3f} memcpy_gbps={m:.3f} "
-          f"peak_rss_mb={r['coalesced']['peak_rss_mb']:.0f} sha256_gbps={h:.3f} sha256_s_per_gb={1 / h:.3f}")
-
+          f"GB/s of exported model; export / limit: {e / limit:.2f}")
+    print(f"result: export_gbps={e:.3f} p2p_limit_gbps={limit:.3f} export_vs_limit={e / limit:.2f} "
+          f"gather_gbps={c:.3f} direct_vs_gather={e / c:.2f} per_param_gbps={p:.3f} memcpy_gbps={m:.3f} "
+          f"peak_rss_mb={r['direct']['peak_rss_mb']:.0f} rss_bound_mb={bound:.0f} sha256_gbps={h:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,8 @@ the parameters are grouped into buckets of about `bucket_bytes` (full size); eac
 all-gather per dtype (not one per parameter), each mapping's inverse rebuilds the HF tensors (QKV
 de-interleave, gate/up split, vocabulary padding trimmed), and the stage's first rank ships the bucket to
 the destination as a flat buffer with a JSON manifest. Memory stays near one bucket plus the largest tensor.
+`export_hf` sends dense weights another way (`direct_export.py`): each TP rank's shards go straight to the
+destination, which unshards them; the gathers above serve experts, gradients, LoRA adapters and the stage senders.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from megatron.core import parallel_state as mpu
 from mgrpo.models.lora import effective_weight
 from mgrpo.parallel.device import cpu_group
 from mgrpo.parallel.pipeline import unwrap
+from mgrpo.resharding import direct_export
 from mgrpo.resharding.bucket import Bucket, pack_bucket
 from mgrpo.resharding.name_map import chunk_mappings
 
@@ -190,7 +193,7 @@ def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
 
 
 def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True,
-              tensors=full_hf_tensors):
+              tensors=full_hf_tensors, direct: bool = True):
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 
     `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
@@ -199,13 +202,21 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     exporter's EP peers). A destination must belong to the replica it receives from. Tensors are views or fresh
     copies valid until the caller asks for the next bucket's worth. `tensors`: what each stage streams (the weights;
     `lora.peft_tensors` for a LoRA run's adapters only).
+
+    Dense weights travel by direct sends (`direct_export`: each TP rank's shards straight to the destination); with
+    expert parameters, `direct=False`, `coalesce=False` or other `tensors`, each stage gathers over TP (or expert
+    groups) and its first rank forwards the buckets.
     """
     coords = rank_coords()
     dsts = dst if isinstance(dst, dict) else {0: dst}
     for d, target in dsts.items():
         if int(coords[target, 2]) != d:
             raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
-    if mpu.get_expert_model_parallel_world_size() > 1:
+    if direct and coalesce and tensors is full_hf_tensors and _direct_everywhere(model_chunks):
+        if int(coords[dist.get_rank(), 2]) in dsts:
+            d = int(coords[dist.get_rank(), 2])
+            yield from _direct_replica(model_chunks, coords, d, dsts[d], bucket_bytes)
+    elif mpu.get_expert_model_parallel_world_size() > 1:
         for d in sorted(dsts):
             yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce, tensors)
     elif int(coords[dist.get_rank(), 2]) in dsts:
@@ -221,20 +232,45 @@ def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int
         src = next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, d, 0])
         dense = int(coords[me, 2]) == d and int(coords[me, 3]) == 0
         experts = int(coords[me, 4]) == int(coords[src, 4]) if ep > 1 else dense
+        # a target inside the stage's gathers gets the full tensors from them (a send to it would deadlock them)
+        target_gathers = int(coords[target, 0]) == stage and int(coords[target, 3]) == 0 and (
+            ep == 1 or int(coords[target, 4]) == int(coords[src, 4]))
         if coords[me, 0] == stage and (dense or experts):
             stream = tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense, experts=experts)
-            if me == src == target:
+            if me == target and target_gathers:
                 yield from stream
-            elif me == src:
+            elif me == src and not target_gathers:
                 for items in _buckets_of(stream, bucket_bytes):
                     _send_bucket(pack_bucket(items, 0, 0, checksum=False), target)
                 _send_bucket(pack_bucket([], 0, 0, checksum=False), target)  # end of this stage
             else:
                 for _ in stream:  # the other TP ranks (and EP peers) take part in the gathers
                     pass
-        if me == target and src != target:
+        if me == target and not target_gathers:
             while True:
                 bucket = _recv_bucket(src)
                 yield from bucket.tensors()
                 if not bucket.manifest["names"]:
                     break
+
+
+def _direct_everywhere(model_chunks) -> bool:
+    """Whether every rank's parameters can travel by direct sends (no experts), agreed by all ranks."""
+    ok = torch.tensor([int(mpu.get_expert_model_parallel_world_size() == 1
+                           and direct_export.supported(list(_stage_params(model_chunks))))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group())
+    return bool(ok)
+
+
+def _direct_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int):
+    """Data-parallel replica d's weights to `target` by direct sends: the members of each stage (its TP ranks at
+    DP rank d, CP0) send their shards; the target receives and unshards every stage in turn."""
+    me, tp = dist.get_rank(), mpu.get_tensor_model_parallel_world_size()
+    stages = [[next(r for r in range(len(coords)) if coords[r, :4].tolist() == [s, t, d, 0]) for t in range(tp)]
+              for s in range(mpu.get_pipeline_model_parallel_world_size())]
+    stage = int(coords[me, 0])
+    plan = _plan(list(_stage_params(model_chunks)), bucket_bytes, tp, 1) if me in stages[stage] else None
+    if me == target:
+        yield from direct_export.receive(stages, {stage: plan})
+    elif plan is not None:
+        direct_export.send_stage(plan, stages[stage], target)
