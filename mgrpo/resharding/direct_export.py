@@ -137,15 +137,11 @@ def send_stage(plan: list, members: list, target: int, select=effective_weight) 
 
 class _Incoming:
     """One bucket on its way to the destination: receives posted at once into a buffer per dtype (and a copy of the
-    destination's own pieces where it is a member). A destination that is its stage's only member (TP1) hands out
-    its own tensors as they are, as the gather path does."""
+    destination's own pieces where it is a member)."""
 
     def __init__(self, bucket: list, members: list, own: list | None):
         self.bucket, self.tp, me = bucket, len(members), dist.get_rank()
         self.layout, self.bufs, self.works = _layout(bucket, self.tp), {}, []
-        self.own = own if members == [me] else None
-        if self.own is not None:
-            return
         for d in sorted(self.layout):
             total, entries = self.layout[d]
             self.bufs[d] = buf = torch.empty(total, dtype=DTYPES[d])  # fresh: what is handed out may be kept
@@ -162,16 +158,12 @@ class _Incoming:
         """The bucket's HF tensors (views of its buffers, or copies)."""
         for w in self.works:
             w.wait()
-        if self.own is not None:
-            for e, t in zip(self.bucket, self.own):
-                yield from mapping_of(e["spec"]).unshard([t]).items()
-        else:
-            for d, (total, entries) in self.layout.items():
-                ends = [off for _, off, _ in entries[1:]] + [total]
-                for (i, off, _), end in zip(entries, ends):
-                    e = self.bucket[i]
-                    yield from _assemble(e["spec"], self.bufs[d][off: end], e["shape"], self.tp).items()
-        del self.bufs, self.own
+        for d, (total, entries) in self.layout.items():
+            ends = [off for _, off, _ in entries[1:]] + [total]
+            for (i, off, _), end in zip(entries, ends):
+                e = self.bucket[i]
+                yield from _assemble(e["spec"], self.bufs[d][off: end], e["shape"], self.tp).items()
+        del self.bufs
 
 
 def receive(stages: list, plans: dict, select=effective_weight):
@@ -188,6 +180,18 @@ def receive(stages: list, plans: dict, select=effective_weight):
     for k in range(len(jobs)):
         while len(ahead) < AHEAD and k + len(ahead) < len(jobs):
             bucket, members, group = jobs[k + len(ahead)]
-            own = None if group is None else [select(p) for p, _ in group]  # a LoRA merge lives for one bucket
-            ahead.append(_Incoming(bucket, members, own))
+            if members == [me]:  # TP1: its own tensors, taken when asked for, as the gather path does
+                ahead.append(_Local(group, select))
+            else:
+                own = None if group is None else [select(p) for p, _ in group]  # a LoRA merge lives for one bucket
+                ahead.append(_Incoming(bucket, members, own))
         yield from ahead.popleft().tensors()
+
+
+class _Local:
+    def __init__(self, group: list, select):
+        self.group, self.select = group, select
+
+    def tensors(self):
+        for p, m in self.group:
+            yield from m.unshard([self.select(p)]).items()
