@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import deque
 
 import torch
@@ -55,13 +56,6 @@ def _header(plan: list) -> list:
             for bucket in plan]
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def pieces(kind: str, t: int, tp: int, n: int) -> list:
     """(start in the shard, length, offset in the tensor's region) of what TP rank t sends of an n-element shard."""
     if kind == "Replicated":
@@ -76,7 +70,7 @@ def _layout(bucket: list, tp: int) -> dict:
     """dtype -> (total elements, [(entry index, region offset, shard numel)]): each tensor's region in the buffer."""
     out = {}
     for i, e in enumerate(bucket):
-        n = _numel(e["shape"])
+        n = math.prod(e["shape"])
         total, entries = out.setdefault(e["dtype"], [0, []])
         entries.append((i, total, n))
         out[e["dtype"]][0] = total + (n if e["spec"]["kind"] == "Replicated" else n * tp)
@@ -85,7 +79,7 @@ def _layout(bucket: list, tp: int) -> dict:
 
 def _assemble(spec: dict, region: torch.Tensor, shape: list, tp: int) -> dict:
     """HF tensors from a tensor's filled region."""
-    n = _numel(shape)
+    n = math.prod(shape)
     if spec["kind"] == "Replicated":
         return {spec["hf_names"][0]: region[:n].view(shape)}
     if spec["kind"] == "GatedMLP":
@@ -126,7 +120,8 @@ def send_stage(plan: list, members: list, target: int, select=effective_weight) 
     in_flight = deque()
     for group in plan:
         shards = _shards(group, len(members), members.index(me), select)
-        in_flight.append(([dist.isend(x.contiguous(), target, group=cpu_group()) for x in shards], shards))
+        shards = [x.contiguous().cpu() for x in shards]  # gloo sends host memory (a GPU shard is staged, as before)
+        in_flight.append(([dist.isend(x, target, group=cpu_group()) for x in shards], shards))
         if len(in_flight) > 2:
             for w in in_flight.popleft()[0]:
                 w.wait()
@@ -181,17 +176,9 @@ def receive(stages: list, plans: dict, select=effective_weight):
         while len(ahead) < AHEAD and k + len(ahead) < len(jobs):
             bucket, members, group = jobs[k + len(ahead)]
             if members == [me]:  # TP1: its own tensors, taken when asked for, as the gather path does
-                ahead.append(_Local(group, select))
+                ahead.append((kv for p, m in group for kv in m.unshard([select(p)]).items()))
             else:
                 own = None if group is None else [select(p) for p, _ in group]  # a LoRA merge lives for one bucket
-                ahead.append(_Incoming(bucket, members, own))
-        yield from ahead.popleft().tensors()
+                ahead.append(_Incoming(bucket, members, own).tensors())  # receives posted now
+        yield from ahead.popleft()
 
-
-class _Local:
-    def __init__(self, group: list, select):
-        self.group, self.select = group, select
-
-    def tensors(self):
-        for p, m in self.group:
-            yield from m.unshard([self.select(p)]).items()

@@ -212,10 +212,11 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     for d, target in dsts.items():
         if int(coords[target, 2]) != d:
             raise ValueError(f"export destination rank {target} is not in data-parallel replica {d}")
-    if direct and coalesce and tensors is full_hf_tensors and _direct_everywhere(model_chunks):
+    params = list(_stage_params(model_chunks))
+    if direct and coalesce and tensors is full_hf_tensors and _direct_everywhere(params):
         if int(coords[dist.get_rank(), 2]) in dsts:
             d = int(coords[dist.get_rank(), 2])
-            yield from _direct_replica(model_chunks, coords, d, dsts[d], bucket_bytes)
+            yield from _direct_replica(params, coords, d, dsts[d], bucket_bytes)
     elif mpu.get_expert_model_parallel_world_size() > 1:
         for d in sorted(dsts):
             yield from _export_replica(model_chunks, coords, d, dsts[d], bucket_bytes, coalesce, tensors)
@@ -254,22 +255,21 @@ def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int
                     break
 
 
-def _direct_everywhere(model_chunks) -> bool:
+def _direct_everywhere(params: list) -> bool:
     """Whether every rank's parameters can travel by direct sends (no experts), agreed by all ranks."""
-    ok = torch.tensor([int(mpu.get_expert_model_parallel_world_size() == 1
-                           and direct_export.supported(list(_stage_params(model_chunks))))])
+    ok = torch.tensor([int(mpu.get_expert_model_parallel_world_size() == 1 and direct_export.supported(params))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group())
     return bool(ok)
 
 
-def _direct_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int):
+def _direct_replica(params: list, coords, d: int, target: int, bucket_bytes: int):
     """Data-parallel replica d's weights to `target` by direct sends: the members of each stage (its TP ranks at
     DP rank d, CP0) send their shards; the target receives and unshards every stage in turn."""
     me, tp = dist.get_rank(), mpu.get_tensor_model_parallel_world_size()
     stages = [[next(r for r in range(len(coords)) if coords[r, :4].tolist() == [s, t, d, 0]) for t in range(tp)]
               for s in range(mpu.get_pipeline_model_parallel_world_size())]
     stage = int(coords[me, 0])
-    plan = _plan(list(_stage_params(model_chunks)), bucket_bytes, tp, 1) if me in stages[stage] else None
+    plan = _plan(params, bucket_bytes, tp, 1) if me in stages[stage] else None
     if me == target:
         yield from direct_export.receive(stages, {stage: plan})
     elif plan is not None:
