@@ -161,9 +161,10 @@ class _Incoming:
         del self.bufs
 
 
-def receive(stages: list, plans: dict, select=effective_weight):
+def receive(stages: list, plans: dict, select=effective_weight, ahead: int = AHEAD):
     """The destination's side: (hf_name, full tensor) for every stage in order. `stages` lists each stage's members;
-    `plans[s]` is stage s's plan where the destination is one of its members (it then cuts the plan itself)."""
+    `plans[s]` is stage s's plan where the destination is one of its members (it then cuts the plan itself).
+    `ahead`: buckets with receives posted (1 where the consumer copies each bucket away before asking for more)."""
     me = dist.get_rank()
     jobs = []
     for s, members in enumerate(stages):
@@ -171,14 +172,14 @@ def receive(stages: list, plans: dict, select=effective_weight):
             jobs += [(_header([g])[0], members, g) for g in plans[s]]
         else:
             jobs += [(bucket, members, None) for bucket in _recv_json(members[0])]
-    ahead = deque()
+    posted = deque()
     for k in range(len(jobs)):
-        while len(ahead) < AHEAD and k + len(ahead) < len(jobs):
-            bucket, members, group = jobs[k + len(ahead)]
+        while len(posted) < ahead and k + len(posted) < len(jobs):
+            bucket, members, group = jobs[k + len(posted)]
             if members == [me]:  # TP1: its own tensors, taken when asked for, as the gather path does
-                ahead.append((kv for p, m in group for kv in m.unshard([select(p)]).items()))
+                posted.append((kv for p, m in group for kv in m.unshard([select(p)]).items()))
             else:
                 own = None if group is None else [select(p) for p, _ in group]  # a LoRA merge lives for one bucket
-                ahead.append(_Incoming(bucket, members, own).tensors())  # receives posted now
-        yield from ahead.popleft()
+                posted.append(_Incoming(bucket, members, own).tensors())  # receives posted now
+        yield from posted.popleft()
 

@@ -5,8 +5,9 @@ the parameters are grouped into buckets of about `bucket_bytes` (full size); eac
 all-gather per dtype (not one per parameter), each mapping's inverse rebuilds the HF tensors (QKV
 de-interleave, gate/up split, vocabulary padding trimmed), and the stage's first rank ships the bucket to
 the destination as a flat buffer with a JSON manifest. Memory stays near one bucket plus the largest tensor.
-`export_hf` sends dense weights another way (`direct_export.py`): each TP rank's shards go straight to the
-destination, which unshards them; the gathers above serve experts, gradients, LoRA adapters and the stage senders.
+On CPU (gloo TP groups) `export_hf` sends dense weights another way (`direct_export.py`): each TP rank's shards go
+straight to the destination, which unshards them; so do the stage senders' streams (`stage_tensors`, to the stage's
+TP0). The gathers above serve NCCL (GPU) TP groups, experts, gradients and LoRA adapters.
 """
 from __future__ import annotations
 
@@ -166,9 +167,19 @@ def _exporter_roles() -> tuple:
 
 
 def _stage_stream(model_chunks: list, bucket_bytes: int):
-    """This stage's full tensors on its (DP0, TP0, CP0) rank; every other rank of the export gathers drains."""
+    """This stage's full tensors on its (DP0, TP0, CP0) rank; the stage's other exporting ranks send or gather."""
     dense, experts = _exporter_roles()
     if not (dense or experts):
+        return
+    params = list(_stage_params(model_chunks))
+    if _direct_fits(params):  # the stage's TP ranks send their shards straight to its TP0 (no all-gather)
+        tp_group = mpu.get_tensor_model_parallel_group()
+        members = sorted(dist.get_process_group_ranks(tp_group), key=lambda r: dist.get_group_rank(tp_group, r))
+        plan = _plan(params, bucket_bytes, len(members), 1)
+        if dist.get_rank() == members[0]:
+            yield from direct_export.receive([members], {0: plan}, ahead=1)
+        else:
+            direct_export.send_stage(plan, members, members[0])
         return
     stream = full_hf_tensors(model_chunks, bucket_bytes=bucket_bytes, dense=dense, experts=experts)
     if dense and mpu.get_tensor_model_parallel_rank() == 0:
@@ -180,8 +191,9 @@ def _stage_stream(model_chunks: list, bucket_bytes: int):
 
 def stage_tensors(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """This PP stage's weights as (hf_name, full tensor), one parameter's at a time, on the stage's (DP0, TP0, CP0)
-    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 (and, with EP, the
-    exporter's EP peers) take part in the gathers (groups of about `bucket_bytes`); every other rank returns."""
+    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 send it their shards
+    (dense weights; with experts they, and the exporter's EP peers, take part in gathers of about `bucket_bytes`);
+    every other rank returns."""
     yield from _stage_stream(model_chunks, bucket_bytes)
 
 
@@ -203,9 +215,9 @@ def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     copies valid until the caller asks for the next bucket's worth. `tensors`: what each stage streams (the weights;
     `lora.peft_tensors` for a LoRA run's adapters only).
 
-    Dense weights travel by direct sends (`direct_export`: each TP rank's shards straight to the destination); with
-    expert parameters, `direct=False`, `coalesce=False` or other `tensors`, each stage gathers over TP (or expert
-    groups) and its first rank forwards the buckets.
+    Dense weights on a gloo TP group travel by direct sends (`direct_export`: each TP rank's shards straight to the
+    destination); on NCCL (GPUs), with expert parameters, `direct=False`, `coalesce=False` or other `tensors`, each
+    stage gathers over TP (or expert groups) and its first rank forwards the buckets.
     """
     coords = rank_coords()
     dsts = dst if isinstance(dst, dict) else {0: dst}
@@ -255,9 +267,17 @@ def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int
                     break
 
 
+def _direct_fits(params: list) -> bool:
+    """Direct sends serve dense weights over a CPU (gloo) TP group; with NCCL the TP all-gather runs on the GPUs'
+    links while direct sends would stage every shard through host memory and gloo (no NCCL point to point yet)."""
+    tp_group = mpu.get_tensor_model_parallel_group()
+    return (mpu.get_expert_model_parallel_world_size() == 1 and direct_export.supported(params)
+            and dist.get_backend(tp_group) != "nccl")
+
+
 def _direct_everywhere(params: list) -> bool:
-    """Whether every rank's parameters can travel by direct sends (no experts), agreed by all ranks."""
-    ok = torch.tensor([int(mpu.get_expert_model_parallel_world_size() == 1 and direct_export.supported(params))])
+    """Whether every rank's parameters can travel by direct sends, agreed by all ranks."""
+    ok = torch.tensor([int(_direct_fits(params))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group())
     return bool(ok)
 
