@@ -43,6 +43,7 @@ def main() -> None:
     from mgrpo.data.packing import budget_groups, model_inputs
     from mgrpo.data.microbatch import make_microbatches
     from mgrpo.loss.aggregation import token_weights
+    from mgrpo.loss.policy import aggregation_of
     from mgrpo.models.tiny import make_tiny_hf
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
@@ -60,7 +61,7 @@ def main() -> None:
             cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl"], check_files=False)
             cfg.train.sequence_packing = packed
             actors[packed] = Actor(cfg, model)
-        weights = token_weights(samples, cfg.algorithm.aggregation, 512)
+        weights = token_weights(samples, aggregation_of(cfg.algorithm), 512)
         advs = [float(i % 3) - 1.0 for i in range(len(samples))]
         ways = {"padded, 8 per micro-batch": (False, None), "packed, 8 per row": (True, None),
                 "padded, 4096-token budget": (False, budget_groups(lengths, 4096, False)),

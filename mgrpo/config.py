@@ -163,7 +163,9 @@ class AlgorithmConfig:
     advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus (ms-swift) | reinforce_plus_plus_baseline (verl)
     scale_rewards: Optional[str] = None  # group | batch | none; null = the estimator's default
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | gspo_token | cispo | sapo
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; null = the policy loss's own
+    # (ppo_clip, cispo: token-mean; gspo, gspo_token, sapo: seq-mean-token-mean; mgrpo/loss/policy.py)
+    aggregation: Optional[str] = None
     epsilon_low: Optional[float] = None  # null = the policy loss's default (ppo_clip 0.2, gspo 3e-4)
     epsilon_high: Optional[float] = None  # (ppo_clip 0.2, gspo 4e-4, cispo: absolute ratio cap 5.0)
     clip_ratio_c: Optional[float] = None  # dual clip where A < 0 (> 1; verl uses 3.0); null = off, as ms-swift
@@ -231,7 +233,7 @@ class TrainConfig:
     steps_per_generation: int = 1  # mini-batches per generation batch, one optimizer step each (TRL's name)
     num_iterations: int = 1  # times the whole generation batch is replayed (verl ppo_epochs, TRL num_iterations)
     lr_schedule: str = "constant"  # constant | linear | cosine (megatron's OptimizerParamScheduler)
-    warmup_steps: int = 0  # optimizer steps of linear warmup from 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup: step k of W trains at lr * k / W
     min_lr: float = 0.0  # where linear/cosine decay ends (at the last optimizer step)
     use_distributed_optimizer: bool = False
     seed: int = 1234
@@ -426,7 +428,8 @@ def validate(cfg: Config) -> list[str]:
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
     from mgrpo.config_checks import (async_problems, check_algorithm_names, check_algorithm_numbers,
-                                     check_checkpoint, check_data, check_eval, check_logging, check_remote,
+                                     check_checkpoint, check_data, check_eval, check_length_rewards,
+                                     check_logging, check_remote,
                                      check_rewards, check_sampling, check_scheduler, check_vllm, lora_problems,
                                      packing_problems)
     from mgrpo.rollout.engine import engine_names
@@ -438,7 +441,7 @@ def validate(cfg: Config) -> list[str]:
         e += check_vllm(r)
     if r.engine in ("remote", "sglang"):
         e += check_remote(r)
-    e += check_scheduler(r) + check_rewards(cfg.reward)
+    e += check_scheduler(r) + check_rewards(cfg.reward) + check_length_rewards(cfg)
     if r.engine_placement not in ("rank0", "per_dp"):
         e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
     if r.request_timeout_s <= 0:
@@ -504,6 +507,11 @@ def _resolve_algorithm(cfg: Config, data: dict, overrides: dict) -> None:
         values = preset_values(name, {k for k, v in sources.items() if v != "default"})
         cfg.algorithm = dataclasses.replace(cfg.algorithm, **values)
         sources.update({k: f"preset {name}" for k in values})
+    if cfg.algorithm.aggregation is None:  # the policy loss's own (GSPO: seq-mean-token-mean)
+        from mgrpo.loss.policy import resolve_aggregation
+
+        cfg.algorithm.aggregation = resolve_aggregation(cfg.algorithm.policy_loss)
+        sources["aggregation"] = f"{cfg.algorithm.policy_loss}'s default"
     from mgrpo.rollout.producer import staleness_bound
 
     if staleness_bound(cfg.rollout) > 0 and sources["rollout_is_mode"] == "default":  # off-policy: correct it

@@ -27,7 +27,7 @@ def check_algorithm_names(a) -> list:
     checks = [("loss_type", a.loss_type, list(PRESETS), True),
               ("advantage", a.advantage, registered("advantage"), False),
               ("policy_loss", a.policy_loss, registered("policy_loss"), False),
-              ("aggregation", a.aggregation, list(AGGREGATIONS), False),
+              ("aggregation", a.aggregation, list(AGGREGATIONS), True),
               ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
               ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
     for name, value, known, nullable in checks:
@@ -251,6 +251,28 @@ def check_rewards(rw) -> list:
                  f"weight per function or null (all 1)")
     e += must("reward.timeout_s", rw.timeout_s, rw.timeout_s > 0, "> 0 seconds")
     e += must("reward.workers", rw.workers, rw.workers >= 1, ">= 1")
+    return e
+
+
+def check_length_rewards(cfg) -> list:
+    """soft_overlong needs its cache length, and a length limit the response can be measured against."""
+    from mgrpo.rewards.registry import response_token_budget
+
+    kw = cfg.reward.kwargs if isinstance(cfg.reward.kwargs, dict) else {}
+    if "soft_overlong" not in (cfg.reward.funcs or []):
+        return []
+    e = []
+    cache, limit = kw.get("soft_cache_length") or 0, kw.get("soft_max_length") or response_token_budget(cfg.rollout)
+    if not isinstance(cache, (int, float)) or cache <= 0:
+        e.append(f"reward.kwargs.soft_cache_length={cache!r}: soft_overlong needs a cache length > 0 (DAPO's "
+                 f"L_cache, e.g. 4096 tokens)")
+    if not limit:
+        e.append(f"reward.kwargs.soft_max_length is unset and rollout.scheduler={cfg.rollout.scheduler} has no "
+                 f"rollout.max_turns: soft_overlong measures a whole trajectory's model tokens, so give it "
+                 f"soft_max_length (DAPO's L_max over all turns) or set rollout.max_turns")
+    elif isinstance(cache, (int, float)) and cache >= limit:
+        e.append(f"reward.kwargs.soft_cache_length={cache} must be below the limit {limit} (soft_max_length or the "
+                 f"response's token budget)")
     return e
 
 

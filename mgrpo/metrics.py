@@ -7,7 +7,8 @@ Definitions: `actor/kl_old` is the k2 estimate mean(0.5 (log pi/pi_old)^2) over 
 is the rollout policy); `actor/kl_ref` is the KL to the reference (the k-estimator of the loss term, or the mean
 per-sequence k1 sum with kl_in_reward); `actor/clip_frac` the fraction of loss tokens whose ratio was clipped;
 `response_length/clip_ratio` the fraction of samples that stopped at rollout.max_tokens; `perf/tokens_per_s`
-response tokens per second of the whole step; `timing/*` seconds.
+response tokens per second of the step's wall clock; `timing/<phase>` seconds per phase, `timing/step` the step's
+wall clock (checkpoint included) and `timing/other` what no phase timer saw (all seconds).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from mgrpo.parallel.state import holds_metrics
 _ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
           "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
           "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss",
-          "sapo_grad_weight": "actor/sapo_grad_weight", "entropy_mask_frac": "actor/entropy_mask_frac"}
+          "sapo_grad_weight": "actor/sapo_grad_weight", "cispo_clip_frac_pos": "actor/cispo_clip_frac_pos",
+          "entropy_mask_frac": "actor/entropy_mask_frac"}
 
 
 def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
@@ -44,7 +46,9 @@ def loss_metric_keys(alg) -> list:
     keys = ["clip_frac", "approx_kl", "entropy"]
     if alg.policy_loss == "sapo":
         keys.append("sapo_grad_weight")  # the gate's mean gradient weight (1 on-policy)
-    elif alg.policy_loss != "cispo":
+    elif alg.policy_loss == "cispo":
+        keys.append("cispo_clip_frac_pos")  # capped tokens with A > 0 (ms-swift's count); clip_frac counts all
+    else:
         keys += ["clip_frac_low", "clip_frac_high"] + (["dual_clip_frac"] if alg.clip_ratio_c is not None else [])
     if alg.top_entropy_quantile < 1:
         keys.append("entropy_mask_frac")  # share of loss tokens the top-entropy mask keeps
@@ -93,7 +97,18 @@ def update_metrics(cfg, out: dict) -> dict:
     return metrics
 
 
-def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, version: int) -> tuple:
+def step_clock(metrics: dict, timer, samples: list) -> dict:
+    """`timing/<phase>` per phase, `timing/step` the step's wall clock (from the timer's start to now, so work
+    between phases counts), `timing/other` the part no phase saw, and `perf/tokens_per_s` response tokens per
+    second of that wall clock. Benchmarks compare these wall clocks with a peer's."""
+    wall = timer.elapsed()
+    metrics.update({f"timing/{k}": v for k, v in timer.totals.items()})
+    metrics.update({"timing/step": wall, "timing/other": max(wall - sum(timer.totals.values()), 0.0)})
+    metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(wall, 1e-9)
+    return metrics
+
+
+def step_metrics(cfg, samples: list, updates: list, extra: dict, version: int) -> tuple:
     """(everything logged for one rollout step, the per-optimizer-step actor metrics). Actor metrics are means
     over the step's optimizer steps (mini-batches x iterations); `actor/lr` and `actor/skipped_steps` are the
     last one's. A collective: every rank calls it."""
@@ -101,9 +116,6 @@ def step_metrics(cfg, samples: list, updates: list, extra: dict, timings: dict, 
     metrics = {k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]}
     metrics.update({k: per_update[-1][k] for k in ("actor/lr", "actor/skipped_steps")})
     metrics.update(reward_metrics(samples, cfg.reward.funcs), **length_metrics(samples), **extra)
-    step_time = sum(timings.values())
-    metrics.update({f"timing/{k}": v for k, v in timings.items()}, **{"timing/step": step_time})
-    metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(step_time, 1e-9)
     if cfg.algorithm.overlong_filter:  # samples given loss mask 0 for stopping at rollout.max_tokens
         metrics["response_length/overlong_filtered"] = sum(s.finish_reason == "length" for s in samples)
     if cfg.algorithm.rollout_is_mode:

@@ -40,10 +40,16 @@ class PeakRSS:
 
 
 class StepTimer:
-    """Seconds per phase of a step: `with timer("rollout"): ...`; `timer.totals` maps phase -> seconds."""
+    """Seconds per phase of a step: `with timer("rollout"): ...`; `timer.totals` maps phase -> seconds, and
+    `elapsed()` the wall clock since the timer was made."""
 
     def __init__(self, phases=()):
         self.totals = {p: 0.0 for p in phases}  # phases listed up front are logged as 0 when skipped
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds since the timer was made (the step's clock, whatever ran between phases)."""
+        return time.perf_counter() - self.started
 
     def __call__(self, phase: str):
         timer = self

@@ -15,7 +15,8 @@ import sys
 from mgrpo.fsutil import JsonlLineError, read_jsonl
 
 SMOOTHING = 0.6  # exponential moving average weight of the previous value (TensorBoard-style, light)
-TIME_PHASES = ["timing/rollout", "timing/old_logprob", "timing/ref_logprob", "timing/train", "timing/sync"]
+TIME_PHASES = ["timing/rollout", "timing/old_logprob", "timing/ref_logprob", "timing/train", "timing/sync",
+               "timing/other"]
 
 
 def panels(keys) -> list:

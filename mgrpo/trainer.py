@@ -18,7 +18,7 @@ from mgrpo.data.tokenizer import load_tokenizer
 from mgrpo.logging import RunLogger
 from mgrpo.loss.advantages import compute_advantages
 from mgrpo.loss.kl import penalize_rewards
-from mgrpo.metrics import step_metrics
+from mgrpo.metrics import step_clock, step_metrics
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
@@ -86,7 +86,7 @@ class GRPOTrainer:
             return self.producer.batch(step, self.version)
         draw = lambda round_: self.rollout_and_score(step, round_)  # noqa: E731
         samples, counts = collect(draw, self.cfg.rollout.prompts_per_step, unit_groups(self.cfg, self.dp),
-                                  a.max_resample_times, warn=self.rank == 0)
+                                  a.max_resample_times, warn=self.rank == 0, overlong_filter=a.overlong_filter)
         return samples, counts.metrics()
 
     def sync_weights(self) -> int | None:
@@ -97,6 +97,8 @@ class GRPOTrainer:
                      self.cfg.rollout.update_bucket_mb << 20, adapter_only=adapter_sync(self.cfg))
 
     def step(self, step: int) -> dict:
+        """One step, its checkpoint included (verl's `step` timer holds its save too); `timing/step` is its wall
+        clock and `timing/other` what no phase timer saw."""
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
         with timer("rollout"):
             samples, extra = self.collect(step)
@@ -105,7 +107,7 @@ class GRPOTrainer:
             if actor is not None:
                 with timer(key.replace("_logp", "_logprob")):
                     batch.set_logprobs(key, actor)
-        rewards = batch.rewards
+        rewards = batch.trained_rewards()  # samples that train nothing leave the group statistics (DAPO)
         if self.ref is not None and alg.kl_in_reward:
             seq_kl = sequence_kl(batch)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
@@ -119,10 +121,13 @@ class GRPOTrainer:
             extra["sync/bytes"] = self.sync_weights()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer, batch.sample_entropies())
         extra["data/epoch"] = self.prompts.epoch
-        metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, timer.totals, self.version)
+        metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, self.version)
         if self.validator and self.validator.due(step + 1):  # after the sync: the current weights
-            metrics.update(self.validator.run(step, self.version))
-        return metrics
+            with timer("val"):
+                metrics.update(self.validator.run(step, self.version))
+        with timer("save"):
+            self.maybe_save(step + 1)
+        return step_clock(metrics, timer, samples)
 
     def maybe_save(self, done_steps: int) -> None:
         """The whole training state every checkpoint.save_interval steps and at the end (mgrpo/checkpoint.py)."""
@@ -142,7 +147,6 @@ class GRPOTrainer:
                 metrics = self.step(step)
                 history.append(metrics)
                 log.log(step, metrics)
-                self.maybe_save(step + 1)
             self.saver.close()  # an async save finishes before the run ends
             self.saver.export_hf(self.actor, self.cfg.train.steps)
         finally:

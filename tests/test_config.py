@@ -191,9 +191,31 @@ def test_flags_beat_presets(tmp_path, data_file):
     assert cfg.algorithm.policy_loss == "gspo" and cfg.algorithm.aggregation == "seq-mean-token-mean"
     assert cfg.algorithm.epsilon_low is None, "gspo keeps its own epsilons (3e-4 / 4e-4)"
     assert "epsilon_low            0.0003                   (default = gspo's default)" in describe_algorithm(cfg)
-    # dapo's clip-higher epsilons belong to ppo_clip: a user-chosen policy loss does not inherit them
+    # dapo's clip-higher epsilons and token-mean belong to ppo_clip: a user-chosen policy loss does not inherit them
     cfg = load_config(argv=["--config", path, "--algorithm.loss_type", "dapo", "--algorithm.policy_loss", "gspo"])
-    assert cfg.algorithm.epsilon_high is None
+    assert cfg.algorithm.epsilon_high is None and cfg.algorithm.aggregation == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize("loss,expect", [("gspo", "seq-mean-token-mean"), ("gspo_token", "seq-mean-token-mean"),
+                                         ("ppo_clip", "token-mean"), ("cispo", "token-mean"),
+                                         ("sapo", "seq-mean-token-mean")])
+def test_each_policy_loss_brings_its_aggregation(tmp_path, data_file, loss, expect):
+    """GSPO is sequence-level (its paper, eq. 5; verl's compute_policy_loss_gspo): with no aggregation set it runs
+    seq-mean-token-mean, not the global token-mean it inherited before (the negative control: that value fails the
+    first assertion for gspo); the run header says which and where it came from; a user's value wins."""
+    from mgrpo.config import describe_algorithm
+
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    cfg = load_config(argv=["--config", path, "--algorithm.policy_loss", loss])
+    assert cfg.algorithm.aggregation == expect
+    header = describe_algorithm(cfg)
+    assert f"aggregation            {expect:<24} ({loss}'s default)" in header
+    for field in ("policy_loss", "rollout_is_mode", "kl_estimator"):
+        assert f"\n  {field} " in header, field
+    cfg = load_config(argv=["--config", path, "--algorithm.policy_loss", loss, "--algorithm.aggregation",
+                            "seq-mean-token-sum"])
+    assert cfg.algorithm.aggregation == "seq-mean-token-sum"
+    assert "aggregation            seq-mean-token-sum       (flag)" in describe_algorithm(cfg)
 
 
 def test_yaml_beats_preset_and_flag_beats_yaml(tmp_path, data_file):

@@ -27,12 +27,38 @@ def run(single_rank, tiny_dirs, tmp_path_factory):
     return cfg, model, history, rows, describe_algorithm(cfg)
 
 
+def _hf_entropies(model, rows, temperature) -> list:
+    """HF transformers' entropy of log_softmax(logits / T) at each response token of each row, float64."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    out = []
+    for r in rows:
+        ids, n = torch.tensor([r["prompt_ids"] + r["response_ids"]]), len(r["prompt_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0] / temperature, -1)
+        out.append((-(logp.exp() * logp).sum(-1))[n - 1: n - 1 + len(r["response_ids"])])
+    return out
+
+
 def test_sapo_and_the_mask_reach_the_loss(run):
-    cfg, _, history, _, header = run
+    """References: the share of step 0's tokens the mask keeps is the share at or above the (1 - q) quantile of
+    HF's entropies of those tokens at the rollout weights (the model folder); SAPO's mean gradient weight
+    4 s (1 - s), s = sigmoid(tau (r - 1)), is exactly 1 with one update per rollout (r = 1). Negative control: the
+    share a quantile of 0.3 would keep is caught."""
+    cfg, model, history, rows, header = run
     assert cfg.algorithm.policy_loss == "sapo" and cfg.algorithm.aggregation == "seq-mean-token-mean"
+    ent = torch.cat(_hf_entropies(model, [r for r in rows if r["step"] == 0], cfg.rollout.temperature))
+
+    def kept(q):
+        return float((ent >= torch.quantile(ent, 1 - q)).double().mean())
+
+    got = history[0]["actor/entropy_mask_frac"]
+    print(f"entropy mask: kept {got:.5f} of {ent.numel()} tokens, HF reference {kept(Q):.5f} (q=0.3: {kept(0.3):.5f})")
+    assert got == pytest.approx(kept(Q), abs=1.5 / ent.numel())  # a token at the threshold may round either way
+    assert abs(got - kept(0.3)) > 0.05
     for h in history:
-        assert abs(h["actor/entropy_mask_frac"] - Q) < 0.05, h["actor/entropy_mask_frac"]
-        assert 0 < h["actor/sapo_grad_weight"] <= 1.0 + 1e-6
+        assert h["actor/sapo_grad_weight"] == pytest.approx(1.0, abs=1e-6)
     assert "arXiv:2511.20347" in header and "arXiv:2506.01939" in header
 
 

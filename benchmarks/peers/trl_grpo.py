@@ -60,10 +60,17 @@ def main() -> None:
     trainer._generate_and_score_completions = timed_generate
 
     class Clock(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
+        """A step's wall clock: from its start to the next step's start (everything TRL's loop does between), the
+        last one to its end; mgrpo's timing/step is its step's wall clock too."""
+        started = None
 
-        def on_step_end(self, *_, **__):
+        def on_step_begin(self, *_, **__):
+            now = time.perf_counter()
+            if self.started is not None:
+                record["step_s"].append(now - self.started)
+            self.started = now
+
+        def on_train_end(self, *_, **__):
             record["step_s"].append(time.perf_counter() - self.started)
 
         def on_log(self, _args, _state, _control, logs=None, **__):

@@ -2,9 +2,10 @@
 
 `rollout.prompts_per_step x rollout.n` samples (fewer with dynamic sampling) form a generation batch; it is cut
 into `train.steps_per_generation` contiguous mini-batches (one optimizer step each), replayed
-`train.num_iterations` times. Failed samples (NaN reward) and, with `algorithm.overlong_filter`, truncated ones
-train nothing and leave the counts; each mini-batch's aggregation weights come from its own global counts; each
-mini-batch is sharded over DP and cut into micro-batches (CP split inside).
+`train.num_iterations` times. Failed samples (NaN reward), dynamic sampling's padding groups and, with
+`algorithm.overlong_filter`, truncated ones train nothing: they leave the aggregation counts and the advantages'
+group statistics. Each mini-batch's aggregation weights come from its own global counts; each mini-batch is sharded
+over DP and cut into micro-batches (CP split inside).
 Old logprobs are needed only when the buffer is reused (or for the KL-in-reward penalty): with one update per
 generation batch they equal the current policy's, and the loss uses its own logprobs, detached.
 """
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as mpu
 
+from mgrpo.data.dynamic_sampling import PADDING
 from mgrpo.data.microbatch import dp_shard, make_microbatches, set_advantages
 from mgrpo.loss.advantages import valid_mask
 from mgrpo.loss.aggregation import token_weights
+from mgrpo.loss.policy import aggregation_of
 from mgrpo.parallel.device import device
 
 log = logging.getLogger("mgrpo.batching")
@@ -36,11 +39,17 @@ class GenerationBatch:
     minibatches: list
     rewards: torch.Tensor  # float64 [N], NaN where the reward failed
     valid: torch.Tensor  # bool [N]: the reward is finite
+    trained: torch.Tensor  # bool [N]: valid, and neither overlong-filtered nor dynamic-sampling padding
     group_ids: torch.Tensor
     lengths: list  # loss tokens per sample (0 for failed samples)
     needs_old_logprobs: bool
     entropy_quantile: float = 1.0  # < 1: the top-entropy token mask (loss/entropy_mask.py)
     log_entropy: bool = False  # per-token entropies for completions.jsonl this step
+
+    def trained_rewards(self) -> torch.Tensor:
+        """The rewards the advantages see: NaN for samples that train nothing, so they leave every group mean and
+        std (DAPO: an overlong-filtered answer is neither right nor wrong; padding groups carry no signal)."""
+        return torch.where(self.trained, self.rewards, torch.full_like(self.rewards, float("nan")))
 
     def set_logprobs(self, key: str, actor) -> None:
         """`actor`'s logprobs for every micro-batch of every mini-batch (only last-stage ranks get any; zeros
@@ -131,7 +140,9 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
     for k, s in enumerate(samples):
         if alg.overlong_filter and s.finish_reason == "length":
             trained[k], overlong = False, overlong + 1  # DAPO: a truncated answer is neither right nor wrong
-        if not trained[k]:  # a failed reward or a filtered truncation trains nothing
+        if s.info.get(PADDING):  # dynamic sampling's top-up to an evenly divisible batch (data/dynamic_sampling.py)
+            trained[k] = False
+        if not trained[k]:  # a failed reward, a filtered truncation or padding trains nothing
             s.loss_mask = [0] * len(s.loss_mask)
     if overlong == len(samples) and warn:
         log.warning("all %d samples stopped at rollout.max_tokens=%d and algorithm.overlong_filter masks them: this "
@@ -147,7 +158,7 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
     for k in range(t.steps_per_generation):
         idx = list(range(k * size, (k + 1) * size))
         chunk = [samples[i] for i in idx]
-        weights = token_weights(chunk, alg.aggregation, cfg.rollout.max_tokens, include=trained[idx].tolist())
+        weights = token_weights(chunk, aggregation_of(alg), cfg.rollout.max_tokens, include=trained[idx].tolist())
         local, groups = this_rank_share(chunk, t, dp_rank, dp)
         mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
                                 cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
@@ -157,7 +168,7 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
         minis.append(MiniBatch(mbs, [idx[i] for i in local]))
     needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0) \
         or alg.top_entropy_quantile < 1 or log_entropy  # entropies come from the old-logprob pass
-    return GenerationBatch(samples, minis, rewards, valid, torch.tensor([s.group_id for s in samples]),
+    return GenerationBatch(samples, minis, rewards, valid, trained, torch.tensor([s.group_id for s in samples]),
                            [sum(s.loss_mask) for s in samples], needs_old, alg.top_entropy_quantile, log_entropy)
 
 

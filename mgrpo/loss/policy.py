@@ -10,9 +10,17 @@ holds 0-dim detached tensors, masked means over this micro-batch's tokens.
 caller passes a differentiable all-reduce over the CP ranks, and every sequence-level quantity here (the GSPO
 sequence ratio: both its numerator and its token count) goes through it.
 
-Per-token loss = ``policy term + kl_coef * k(logp, ref_logp)`` (when ``ref_logp`` is given, ``cfg.kl_coef != 0`` and
-not ``cfg.kl_in_reward``; ``k`` is ``cfg.kl_estimator``, default k3 as ms-swift), then multiplied by
-``rollout_is_weights`` (detached) when given. This is ms-swift's order (``_compute_loss_and_metrics`` L1205-1238).
+Per-token loss = ``w * policy term + kl_coef * k(logp, ref_logp)`` with ``w`` the (detached) ``rollout_is_weights``
+when given (else 1), the KL term when ``ref_logp`` is given, ``cfg.kl_coef != 0`` and not ``cfg.kl_in_reward`` (``k`` is
+``cfg.kl_estimator``, default k3 as ms-swift). The IS weight corrects the sampling distribution of the policy
+gradient, not the penalty against the reference: verl multiplies ``pg_losses`` by ``rollout_is_weights`` inside each
+policy loss (``verl/trainer/ppo/core_algos.py``, e.g. ``compute_policy_loss_vanilla``) and adds
+``kl_loss * kl_loss_coef`` afterwards, unweighted (``verl/workers/actor/dp_actor.py``, ``megatron_actor.py``).
+ms-swift multiplies both (``_compute_loss_and_metrics`` L1205-1238); we follow verl.
+
+Each loss declares the aggregation it is defined with (``DEFAULT_AGGREGATION``), used when ``cfg.aggregation`` is
+unset: GSPO is a sequence-level objective (arXiv:2507.18071 eq. 5: a mean over the group's sequences of a
+length-normalised sequence term), and verl's ``compute_policy_loss_gspo`` hard-codes ``seq-mean-token-mean``.
 
 Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`` lines 1082-1101, 1750-1751):
 
@@ -26,7 +34,9 @@ Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`
   gradient is per token (lets per-token advantages through).
 - ``cispo``: ``-sg[min(r, eps_high)] * A * logp``; ``eps_high`` is an absolute cap on the detached token ratio
   (default 5.0, ms-swift's recommendation after ScaleRL), ``eps_low`` is not used. The clipped ratio is a weight, so
-  every token keeps the REINFORCE gradient ``-w A grad logp``.
+  every token keeps the REINFORCE gradient ``-w A grad logp``. Its ``clip_frac`` counts every token whose ratio
+  was capped (verl counts any clipped token, whatever A's sign); ``cispo_clip_frac_pos`` those with ``A > 0``
+  (ms-swift's count).
 - ``sapo`` (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv:2511.20347; ms-swift's ``loss_type sapo``,
   ``--tau_pos/--tau_neg``): ``-f(r; tau) A`` with the soft gate ``f(r; tau) = sigmoid(tau (r - 1)) 4 / tau`` in
   place of the hard clip, ``tau = cfg.tau_pos`` where ``A > 0`` and ``cfg.tau_neg`` where ``A < 0`` (defaults 1.0 /
@@ -55,6 +65,14 @@ DEFAULT_EPSILONS = {
     "cispo": (None, 5.0),
     "sapo": (None, None),  # no clip: the gate's temperatures are cfg.tau_pos / cfg.tau_neg
 }
+# The aggregation each loss is defined with, used when cfg.aggregation is None (see the module docstring).
+DEFAULT_AGGREGATION = {
+    "ppo_clip": "token-mean",  # DAPO's token-level loss, verl's default loss_agg_mode
+    "gspo": "seq-mean-token-mean",  # GSPO paper eq. 5; verl compute_policy_loss_gspo
+    "gspo_token": "seq-mean-token-mean",
+    "cispo": "token-mean",  # MiniMax-M1 (arXiv:2506.13585) eq. 4 normalises by the batch's tokens
+    "sapo": "seq-mean-token-mean",  # ms-swift's loss_type sapo (the grpo normalisation)
+}
 DUAL_CLIP_VERL = 3.0  # verl's clip_ratio_c; ours is off unless cfg.clip_ratio_c is set
 LOG_RATIO_CLAMP = 20.0
 
@@ -63,6 +81,16 @@ def resolve_epsilons(loss_name: str, epsilon_low=None, epsilon_high=None):
     """(eps_low, eps_high): the given values, or the loss's defaults where a value is None."""
     d_low, d_high = DEFAULT_EPSILONS.get(loss_name, DEFAULT_EPSILONS["ppo_clip"])
     return (d_low if epsilon_low is None else epsilon_low), (d_high if epsilon_high is None else epsilon_high)
+
+
+def resolve_aggregation(loss_name: str, aggregation=None) -> str:
+    """The given aggregation, or the loss's own (``DEFAULT_AGGREGATION``; token-mean for a plugin's loss)."""
+    return aggregation or DEFAULT_AGGREGATION.get(loss_name, "token-mean")
+
+
+def aggregation_of(alg) -> str:
+    """The aggregation in force for an algorithm config (its field, else its policy loss's default)."""
+    return resolve_aggregation(alg.policy_loss, getattr(alg, "aggregation", None))
 
 
 def _epsilons(cfg, loss_name):
@@ -125,17 +153,18 @@ def _clipped_surrogate(ratio, advantages, eps_low, eps_high, clip_c):
 
 
 def _finish(policy_term, logp_on, mask, on, cfg, ref_logp, rollout_is_weights, metrics):
-    """Adds the KL loss term, multiplies the rollout IS weights and the mask; fills the common metrics."""
-    loss = policy_term
+    """Multiplies the policy term by the rollout IS weights, adds the (unweighted) KL loss term, applies the mask;
+    fills the common metrics."""
     zero = torch.zeros_like(logp_on)
+    loss = policy_term
+    if rollout_is_weights is not None:  # the policy gradient's sampling correction only (verl)
+        loss = loss * torch.where(on, rollout_is_weights.detach().to(loss.dtype), zero)
     kl_coef = getattr(cfg, "kl_coef", 0.0) or 0.0
     if ref_logp is not None and kl_coef != 0.0 and not getattr(cfg, "kl_in_reward", False):
         ref_on = torch.where(on, ref_logp.detach().to(logp_on.dtype), zero)
         kl = torch.where(on, kl_penalty(getattr(cfg, "kl_estimator", "k3"))(logp_on, ref_on), zero)
         loss = loss + kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    if rollout_is_weights is not None:
-        loss = loss * torch.where(on, rollout_is_weights.detach().to(loss.dtype), zero)
     loss = torch.where(on, loss, zero) * mask
     return loss, {k: v.detach() for k, v in metrics.items()}
 
@@ -195,10 +224,11 @@ def cispo(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weigh
     weight = torch.clamp(ratio, max=cap)
     term = -weight * adv * logp_on
     with torch.no_grad():
-        capped = _masked_mean(((ratio > cap) & (adv > 0)).to(mask.dtype), mask)
+        capped = ratio > cap  # the weight is capped whatever the advantage's sign
         metrics = {
-            "clip_frac": capped,  # the name every loss reports, so the trainer's metric shows it
-            "cispo_clip_frac": capped,
+            "clip_frac": _masked_mean(capped.to(mask.dtype), mask),  # every capped token, as the name says
+            # the capped tokens with A > 0 (ms-swift's and our earlier clip_frac: grpo_trainer.py, loss_type cispo)
+            "cispo_clip_frac_pos": _masked_mean((capped & (adv > 0)).to(mask.dtype), mask),
             "approx_kl": _masked_mean(0.5 * log_ratio.pow(2), mask),
             "ratio_mean": _masked_mean(ratio, mask),
         }
@@ -231,5 +261,6 @@ def policy_loss_names():
     return tuple(DEFAULT_EPSILONS)
 
 
-__all__ = ["DEFAULT_EPSILONS", "DUAL_CLIP_VERL", "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
+__all__ = ["DEFAULT_AGGREGATION", "DEFAULT_EPSILONS", "DUAL_CLIP_VERL", "aggregation_of", "resolve_aggregation",
+           "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
            "sapo", "policy_loss_names"]

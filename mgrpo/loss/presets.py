@@ -79,13 +79,14 @@ def resolve_preset(name: str) -> Preset:
 def preset_values(name: str, user_set=frozenset()) -> dict:
     """The fields preset ``name`` fills, leaving out every field in ``user_set`` (set in YAML or by a flag).
 
-    The preset's epsilons belong to its policy loss: when the user picked another policy loss, they are not
-    filled (that loss's own defaults apply), so ``--algorithm.loss_type dapo --algorithm.policy_loss gspo`` never
-    runs GSPO with DAPO's 0.2 / 0.28.
+    The preset's epsilons and aggregation belong to its policy loss: when the user picked another policy loss,
+    they are not filled (that loss's own defaults apply), so ``--algorithm.loss_type dapo --algorithm.policy_loss
+    gspo`` never runs GSPO with DAPO's 0.2 / 0.28 or its token-mean (GSPO's own is seq-mean-token-mean).
     """
     p = resolve_preset(name)
-    values = {"policy_loss": p.policy_loss, "aggregation": p.aggregation, "scale_rewards": p.scale_rewards}
+    values = {"policy_loss": p.policy_loss, "scale_rewards": p.scale_rewards}
     if "policy_loss" not in user_set:
+        values["aggregation"] = p.aggregation
         if p.epsilon_low is not None:
             values["epsilon_low"] = p.epsilon_low
         if p.epsilon_high is not None:

@@ -4,7 +4,8 @@ The engine (vLLM, ...) samples with ``rollout_logp``; the trainer's own forward 
 ``old_logp`` for the same tokens. They differ numerically (kernels, precision) or because the engine lags behind
 (async). The per-token ratio ``rho_t = pi_old / pi_rollout = exp(old_logp - rollout_logp)`` reweights the loss so
 that it is an expectation under ``pi_old``; ``rollout_is_weights`` returns the weights, which the policy loss
-multiplies into the per-token loss (after the KL term, as ms-swift does). The weights carry no gradient.
+multiplies into its policy-gradient term only (verl's order; the KL term to the reference is not reweighted, see
+``mgrpo.loss.policy``). The weights carry no gradient.
 
 Modes (``mode``; threshold ``C`` default 2.0, ``rollout_importance_sampling_threshold`` in ms-swift):
 

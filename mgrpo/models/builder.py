@@ -12,7 +12,7 @@ from mgrpo.models.hf_config import ModelInfo, read_model_info
 from mgrpo.models.registry import get_family
 from mgrpo.parallel.device import device, on_cuda
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # float64: CPU checks
 
 
 def have_transformer_engine() -> bool:

@@ -22,9 +22,9 @@ class SPRMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x):
-        # Compute in fp32 like HF's Qwen2RMSNorm/LlamaRMSNorm, then cast back.
+        # Compute in fp32 like HF's Qwen2RMSNorm/LlamaRMSNorm (float64 stays float64), then cast back.
         dtype = x.dtype
-        xf = x.float()
+        xf = x if dtype == torch.float64 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 

@@ -23,15 +23,49 @@ import torch.distributed as dist
 _ROUTES = None  # [batch, seq, moe_layers, topk] int64 of the micro-batch being run (-1: no record), or None
 
 
+NO_RECORD = 0xFFFF  # a token the record has no experts for (it routes freely); decodes to -1
+
+
 def encode_routing(indices) -> dict:
-    """[tokens, moe_layers, topk] expert indices -> JSON-safe {"shape", "data"} (uint16 little-endian, base64)."""
-    arr = np.asarray(indices, dtype="<u2")
+    """[tokens, moe_layers, topk] expert indices (-1: no record) -> JSON-safe {"shape", "data"} (uint16
+    little-endian, base64)."""
+    arr = np.asarray(indices).astype(np.int64)
+    arr = np.where(arr < 0, NO_RECORD, arr).astype("<u2")
     return {"shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
 
 
 def decode_routing(record: dict) -> torch.Tensor:
-    arr = np.frombuffer(base64.b64decode(record["data"]), dtype="<u2").reshape(record["shape"])
-    return torch.from_numpy(arr.astype(np.int64))
+    arr = np.frombuffer(base64.b64decode(record["data"]), dtype="<u2").reshape(record["shape"]).astype(np.int64)
+    return torch.from_numpy(np.where(arr == NO_RECORD, -1, arr))
+
+
+def merge_turn_routing(ids: list, turns: list) -> dict | None:
+    """One trajectory's record from its engine calls: `ids` is the whole trajectory (prompt + every turn's tokens,
+    environment tokens included), `turns` the calls in order as (input ids, generated ids, the call's record of
+    input + generated[:-1]). Row p (the experts of token p, which decide the distribution of token p + 1) comes
+    from the turn that generated token p + 1 (its decode-time routing, what the sample was drawn with), else from
+    the latest turn that ran token p as input (a later turn's prefill: environment tokens, the prompt). A turn's
+    row counts only while the turn's tokens up to p are the trajectory's (a scheduler may rewrite a turn's tokens);
+    rows no turn covers are -1 (free routing). None when no turn carries a record."""
+    n, out, owned = len(ids) - 1, None, None
+    for inputs, generated, record in turns:
+        if record is None:
+            continue
+        rows = decode_routing(record)
+        if out is None:
+            out = torch.full((max(n, 0), *rows.shape[1:]), -1, dtype=torch.long)
+            owned = torch.zeros(max(n, 0), dtype=torch.bool)
+        seq, same = list(inputs) + list(generated), 0
+        while same < min(len(seq), len(ids)) and seq[same] == ids[same]:
+            same += 1
+        valid = min(rows.shape[0], same, n)
+        if valid <= 0:
+            continue
+        decoded = torch.arange(valid) >= len(inputs) - 1  # rows whose next token this turn sampled
+        take = decoded | ~owned[:valid]
+        out[:valid][take] = rows[:valid][take]
+        owned[:valid] |= decoded
+    return None if out is None else encode_routing(out.numpy())
 
 
 @contextlib.contextmanager
@@ -120,6 +154,15 @@ class RoutingReplay(StepSums):
         self.replay, self.sp = replay, sequence_parallel
         for g, router in moe_routers(chunks):
             router.router_replay = RecordedTopK(self, g, sum(info.moe.sparse_layers[:g]))
+
+    @contextlib.contextmanager
+    def replay_off(self):
+        """The routers route on their own while this is on (agreement is still measured)."""
+        prev, self.replay = self.replay, False
+        try:
+            yield
+        finally:
+            self.replay = prev
 
     def reduce(self, group=None) -> dict:
         out, agree, total = {}, 0.0, 0.0

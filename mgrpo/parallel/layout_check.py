@@ -16,6 +16,7 @@ from megatron.core import parallel_state as mpu
 from mgrpo.data.batching import this_rank_share
 from mgrpo.data.microbatch import dp_shard, make_microbatches
 from mgrpo.loss.aggregation import token_weights
+from mgrpo.loss.policy import aggregation_of
 from mgrpo.models.lora import has_lora, peft_tensors
 from mgrpo.resharding.export import export_hf, full_hf_tensors
 
@@ -54,7 +55,7 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     idx, groups = this_rank_share(samples, cfg.train, dp_rank, dp_size)  # the trainer's DP split and micro-batches
     local = [samples[i] for i in idx]
     advs = [s.info["advantage"] for s in local]
-    weights = weights_fn(samples) if weights_fn else token_weights(samples, cfg.algorithm.aggregation,
+    weights = weights_fn(samples) if weights_fn else token_weights(samples, aggregation_of(cfg.algorithm),
                                                                     cfg.rollout.max_tokens)
     pad = cfg.parallel.tp if cfg.parallel.sp else 1
     mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1,
@@ -207,7 +208,7 @@ def run_nan_step(cfg, model_dir: str, samples: list, out_dir: str, tag: str, gua
         actor.grads_finite = lambda: True
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     idx = dp_shard(list(range(len(samples))), dp_rank, dp_size)
-    weights = token_weights(samples, cfg.algorithm.aggregation, cfg.rollout.max_tokens)
+    weights = token_weights(samples, aggregation_of(cfg.algorithm), cfg.rollout.max_tokens)
 
     def batch(poison: bool):
         mbs = make_microbatches([samples[i] for i in idx], cfg.train.micro_batch_size, 0,

@@ -8,7 +8,8 @@ the ones that run math-verify are isolated (worker processes, per-call timeout).
 - `cosine`: length-shaped correctness (Demystifying Long CoT): short right answers score highest, short wrong
   ones lowest;
 - `repetition`: -(share of repeated word n-grams) x max_penalty;
-- `soft_overlong`: DAPO's length penalty: 0 up to max_tokens - cache, then linear down to -1 at max_tokens.
+- `soft_overlong`: DAPO's length penalty on the response's model tokens (all turns): 0 up to L_max - cache, then
+  linear down to -1 at L_max, and -1 beyond.
 """
 from __future__ import annotations
 
@@ -111,10 +112,12 @@ def repetition(completion: str, repetition_n_grams: int = 3, repetition_max_pena
 @register_reward("soft_overlong", per_sample=True)
 def soft_overlong(completion: str, length: int = 0, max_tokens: int | None = None, soft_max_length: int | None = None,
                   soft_cache_length: int = 0, **_):
-    """DAPO: 0 while length <= soft_max_length - soft_cache_length, then -(excess / cache), down to -1."""
+    """DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13), L_max = soft_max_length (default: the response's
+    token budget), L_cache = soft_cache_length, |y| = `length`, the response's model tokens (loss-mask tokens of
+    every turn): 0 while |y| <= L_max - L_cache, then (L_max - L_cache - |y|) / L_cache, and -1 past L_max."""
     limit = soft_max_length or max_tokens
     if not limit or soft_cache_length <= 0:
         raise ValueError("soft_overlong needs reward.kwargs.soft_cache_length > 0 (and soft_max_length, default "
-                         "rollout.max_tokens)")
+                         "the response's token budget)")
     excess = length - (limit - soft_cache_length)
-    return min(-excess / soft_cache_length, 0.0)
+    return max(min(-excess / soft_cache_length, 0.0), -1.0)

@@ -8,7 +8,8 @@
 
 Arguments by name: `reward.kwargs` go to every function; a parameter named like a dataset column gets that column
 (a list for batched functions, the sample's value per sample); per-sample functions may also take `length` (the
-sample's model tokens), `max_tokens` (rollout.max_tokens) and `info` (the sample's info dict).
+sample's model tokens: its loss-mask tokens over every turn), `max_tokens` (the response's token budget,
+`response_token_budget`) and `info` (the sample's info dict).
 
 `score()` stores each score in `sample.info['rewards']` and sets the weighted sum per sample. What a value means
 (ms-swift's semantics, with failures made explicit):
@@ -230,7 +231,17 @@ class ScoreOptions:
     timeout_s: float = 10.0  # per isolated call, per async function
     workers: int = 2  # reward worker processes (isolated rewards)
     plugins: tuple = ()  # plugin files the workers import (their rewards register there too)
-    max_tokens: int | None = None  # rollout.max_tokens, for length-shaped rewards
+    max_tokens: int | None = None  # the response's token budget (response_token_budget), for length-shaped rewards
+
+
+def response_token_budget(rollout) -> int | None:
+    """The most model tokens one sample's response can hold, what length-shaped rewards (`soft_overlong`'s L_max,
+    `cosine`'s max length) measure `length` (the loss-mask tokens of the whole trajectory) against: rollout.max_tokens
+    for a single turn, max_turns x max_tokens for a multi-turn scheduler with max_turns, else None (unbounded:
+    such a reward then needs its own limit in reward.kwargs)."""
+    if rollout.scheduler in (None, "single_turn"):
+        return rollout.max_tokens
+    return rollout.max_turns * rollout.max_tokens if rollout.max_turns else None
 
 
 def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: ScoreOptions | None = None) -> list:

@@ -99,10 +99,11 @@ class RolloutManager:
         return self._scheduler
 
     def score_options(self):
-        from mgrpo.rewards.registry import ScoreOptions
+        from mgrpo.rewards.registry import ScoreOptions, response_token_budget
 
         r = self.cfg.reward
-        return ScoreOptions(r.timeout_s, r.workers, tuple(self.cfg.external_plugins), self.cfg.rollout.max_tokens)
+        return ScoreOptions(r.timeout_s, r.workers, tuple(self.cfg.external_plugins),
+                            response_token_budget(self.cfg.rollout))
 
     def rounds_per_step(self) -> int:
         a = self.cfg.algorithm

@@ -37,14 +37,19 @@ class TurnClient:
         self.engine, self.tokenizer, self.timeout = engine, tokenizer, timeout
         self.coalesce = (not engine.capabilities.async_generate) if coalesce is None else coalesce
         self.pending, self.flushing, self.calls = [], False, 0
+        self.turns: dict = {}  # uuid -> [(input ids, generated ids, routed experts)] of MoE engines that report them
 
     async def infer_async(self, infer_request: InferRequest, sampling) -> ChatResponse:
-        """One turn from `infer_request.prompt_ids`, seeded by (the trajectory's seed, its turn number)."""
+        """One turn from `infer_request.prompt_ids`, seeded by (the trajectory's seed, its turn number). The
+        engine's routed experts (MoE) are kept per trajectory, whatever the scheduler does with the turn."""
         infer_request.turns_generated += 1
         k = infer_request.turns_generated
         req = GenerationRequest(list(infer_request.prompt_ids), turn_seed(infer_request.seed, k),
                                 f"{infer_request.uuid}-t{k}")
         resp = await self.generate(req, sampling)
+        if resp.routed_experts is not None:
+            self.turns.setdefault(infer_request.uuid, []).append((req.prompt_ids, list(resp.token_ids),
+                                                                 resp.routed_experts))
         text = self.tokenizer.decode(resp.token_ids, skip_special_tokens=True)
         choice = ResponseChoice(ChatMessage("assistant", text), list(resp.token_ids), resp.finish_reason,
                                 list(resp.logprobs), min(resp.weight_versions, default=0))
@@ -113,9 +118,12 @@ async def run_trajectories(scheduler, requests: list, sampling, max_concurrent: 
     return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids: list | None = None) -> Sample:
+def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids: list | None = None,
+              turns: list | None = None) -> Sample:
     """A finished trajectory as a Sample: flat tokens, one logprob per token (0.0 at mask-0 positions, which
-    no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule).
+    no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule);
+    with `turns` (TurnClient.turns of an MoE engine), the routed experts of every turn merged over the trajectory
+    (`merge_turn_routing`; `info["routing_unrecorded"]` counts loss tokens whose experts no turn recorded).
     A trajectory that raised becomes an empty response on its original prompt (`prompt_ids`)."""
     if isinstance(out, BaseException):
         prompt = prompt_ids if prompt_ids is not None else request.prompt_ids
@@ -135,9 +143,17 @@ def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids:
     if dropped:
         extra["logprobs_dropped"] = True
     prompt = list(out.prompt_ids if out.prompt_ids is not None else request.prompt_ids)
+    routed = None
+    if turns:
+        from mgrpo.models.routing import decode_routing, merge_turn_routing
+
+        routed = merge_turn_routing(prompt + list(ids), turns)
+        if routed is not None:  # row p predicts token p + 1: the loss tokens' rows start at len(prompt) - 1
+            has = decode_routing(routed)[len(prompt) - 1:, 0, 0] >= 0
+            extra["routing_unrecorded"] = sum(1 for m, h in zip(mask, has.tolist()) if m and not h)
     return Sample(prompt_ids=prompt, response_ids=list(ids), loss_mask=list(mask), rollout_logprobs=logprobs,
                   group_id=group_id, weight_version=out.weight_version, finish_reason=out.finish_reason,
-                  messages=out.messages, info=extra)
+                  messages=out.messages, info=extra, routed_experts=routed)
 
 
 def report(samples: list, engine_name: str) -> None:
@@ -166,12 +182,16 @@ def fail_aborted(samples: list) -> None:
 
 def trajectory_metrics(samples: list) -> dict:
     """rollout/num_turns/{mean,max}, rollout/env_tokens/mean (loss-mask-0 tokens), and the counters
-    rollout/trajectories_failed and rollout/logprobs_dropped."""
+    rollout/trajectories_failed, rollout/logprobs_dropped and (MoE engines that report routing)
+    rollout/routing_unrecorded_tokens (loss tokens no turn's record covers: they route freely under replay)."""
     turns = [int(s.info.get("num_turns", 0)) for s in samples] or [0]
-    return {"rollout/num_turns/mean": sum(turns) / len(turns), "rollout/num_turns/max": max(turns),
-            "rollout/env_tokens/mean": sum(s.info.get("env_tokens", 0) for s in samples) / max(len(samples), 1),
-            "rollout/trajectories_failed": sum("trajectory_error" in s.info for s in samples),
-            "rollout/logprobs_dropped": sum(bool(s.info.get("logprobs_dropped")) for s in samples)}
+    out = {"rollout/num_turns/mean": sum(turns) / len(turns), "rollout/num_turns/max": max(turns),
+           "rollout/env_tokens/mean": sum(s.info.get("env_tokens", 0) for s in samples) / max(len(samples), 1),
+           "rollout/trajectories_failed": sum("trajectory_error" in s.info for s in samples),
+           "rollout/logprobs_dropped": sum(bool(s.info.get("logprobs_dropped")) for s in samples)}
+    if any("routing_unrecorded" in s.info for s in samples):
+        out["rollout/routing_unrecorded_tokens"] = sum(s.info.get("routing_unrecorded", 0) for s in samples)
+    return out
 
 
 def context_limit(cfg) -> int | None:
@@ -200,6 +220,7 @@ def scheduled_share(scheduler, engine, cfg, requests: list, rows: list, group_id
                                   uuid=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed))
         infos.append(dict(columns, engine=engine.name))
     outs = asyncio.run(run_trajectories(scheduler, infer, sampling, cfg.rollout.max_concurrent))
-    samples = [to_sample(o, r, g, i, q.prompt_ids) for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)]
+    samples = [to_sample(o, r, g, i, q.prompt_ids, client.turns.get(r.uuid))
+               for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)]
     report(samples, engine.name)
     return samples

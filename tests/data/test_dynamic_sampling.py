@@ -32,7 +32,7 @@ def test_zero_std_groups_are_replaced_until_the_batch_is_full():
     assert all(has_signal([s for s in samples if s.group_id == g]) for g in (1, 3, 101, 103))
     assert counts.metrics() == {"dynamic_sampling/kept_groups": 4.0, "dynamic_sampling/dropped_groups": 4.0,
                                 "dynamic_sampling/resample_rounds": 1.0, "dynamic_sampling/resampled_groups": 4.0,
-                                "dynamic_sampling/topped_up_groups": 0.0, "dynamic_sampling/trimmed_groups": 0.0,
+                                "dynamic_sampling/padding_groups": 0.0, "dynamic_sampling/trimmed_groups": 0.0,
                                 "dynamic_sampling/limit_hit": 0.0}
 
 
@@ -44,15 +44,61 @@ def test_a_full_batch_is_trimmed_and_nan_rewards_do_not_count_as_signal():
     assert counts.trimmed_groups == 2 and counts.dropped_groups == 2 and counts.limit_hit == 0
 
 
-def test_the_limit_is_logged_and_the_batch_topped_up_to_a_divisible_size(caplog):
+def test_at_the_limit_only_groups_with_signal_train_and_padding_is_marked(caplog):
+    """The retry budget runs out with 1 group of signal (unit 2): the batch holds 2 groups, the second is padding
+    (marked, so the batch trains nothing from it), and the warning says so. The former top-up trained the padding
+    group like any other (its samples were unmarked): the marks are the negative control."""
+    from mgrpo.data.dynamic_sampling import PADDING
+
     rounds = [[[1, 1], [0, 1], [0, 0], [1, 1]], [[1, 1], [1, 1], [0, 0], [0, 0]]]
     with caplog.at_level(logging.WARNING, logger="mgrpo.dynamic_sampling"):
         samples, counts = collect(scripted_draw(rounds), target=4, unit=2, max_resample_times=1)
     assert len({s.group_id for s in samples}) == 2 and 1 in {s.group_id for s in samples}
-    assert counts.limit_hit == 1 and counts.topped_up_groups == 1 and counts.kept_groups == 1
+    assert counts.limit_hit == 1 and counts.padding_groups == 1 and counts.kept_groups == 1
+    assert [bool(s.info.get(PADDING)) for s in samples if s.group_id == 1] == [False, False]
+    assert all(s.info.get(PADDING) for s in samples if s.group_id != 1)
     assert "1 of 4 groups with reward signal after algorithm.max_resample_times=1" in caplog.text
+    assert "train nothing" in caplog.text
     samples, counts = collect(scripted_draw([[[0, 0], [1, 1]]]), target=2, unit=2, max_resample_times=0)
-    assert len(samples) == 4 and counts.kept_groups == 0 and counts.topped_up_groups == 2
+    assert len(samples) == 4 and counts.kept_groups == 0 and counts.padding_groups == 2
+    assert all(s.info.get(PADDING) for s in samples) and "this step trains nothing" in caplog.text
+
+
+def test_signal_counts_only_samples_that_train():
+    """With the overlong filter a truncated sample is neither right nor wrong: a group whose only differing reward
+    belongs to a truncated sample has no signal."""
+    group = [Sample([1], [2], [1], reward=r, group_id=0, finish_reason=f)
+             for r, f in ((1.0, "stop"), (1.0, "stop"), (0.0, "length"))]
+    assert has_signal(group) and not has_signal(group, overlong_filter=True)
+
+
+def test_padding_and_overlong_samples_leave_the_advantage_statistics(single_rank):
+    """The batch the trainer builds: a padding group and an overlong-filtered sample get loss mask 0, weight 0 and
+    NaN in trained_rewards, so the group mean and std the advantages use are those of the samples that train.
+    Reference: the grpo formula by hand over the trained samples of the group. Negative control: the batch's raw
+    rewards (the former input) give another advantage for the same sample."""
+    import torch
+
+    from mgrpo.data.batching import build_generation_batch
+    from mgrpo.data.dynamic_sampling import PADDING
+    from mgrpo.loss.advantages import STD_EPS, compute_advantages
+
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), ["--model.path", "m", "--rollout.n", "4",
+                      "--rollout.prompts_per_step", "2", "--algorithm.overlong_filter", "true"], check_files=False)
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    finish = ["stop", "stop", "stop", "length", "stop", "stop", "stop", "stop"]
+    samples = [Sample([5, 6], [7, 8, 9], [1, 1, 1], rollout_logprobs=[-1.0] * 3, reward=r, group_id=i // 4,
+                      finish_reason=f, info={PADDING: True} if i >= 4 else {})
+               for i, (r, f) in enumerate(zip(rewards, finish))]
+    batch = build_generation_batch(samples, cfg, pad_id=0, warn=False)
+    assert batch.trained.tolist() == [True, True, True, False, False, False, False, False]
+    assert all(sum(s.loss_mask) == 0 for s in samples[3:])
+    adv = compute_advantages("grpo", batch.trained_rewards(), batch.group_ids, cfg.algorithm)
+    kept = torch.tensor(rewards[:3], dtype=torch.float64)
+    expect = (kept - kept.mean()) / (kept.std() + STD_EPS)
+    assert torch.allclose(adv[:3].double(), expect.double(), atol=1e-6) and (adv[3:] == 0).all()
+    raw = compute_advantages("grpo", batch.rewards, batch.group_ids, cfg.algorithm)
+    assert abs(float(raw[0]) - float(expect[0])) > 0.1
 
 
 @pytest.mark.parametrize("args,dp,unit", [([], 1, 1), ([], 2, 1), (["--rollout.n", "3"], 2, 2),

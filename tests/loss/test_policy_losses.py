@@ -83,11 +83,12 @@ def _k2(lp, rp):
 
 
 def _extras(v, b, t, logp, ref, cfg, w):
+    """verl's order: the rollout IS weight multiplies the policy term only, the KL term is added unweighted."""
+    if w is not None:
+        v = v * float(w[b, t])
     if ref is not None and cfg.kl_coef and not cfg.kl_in_reward:
         k = {"k3": _k3, "k2": _k2, "k1": lambda x, y: x - y}[cfg.kl_estimator]
         v = v + cfg.kl_coef * k(logp[b, t], ref[b, t])
-    if w is not None:
-        v = v * float(w[b, t])
     return v
 
 
@@ -179,6 +180,11 @@ def test_kl_term_and_rollout_weights(name, estimator):
     out, m = policy_loss(name)(logp, old, adv, mask, cfg, ref_logp=ref, rollout_is_weights=w)
     check(out, ref_loss(name, logp, old, adv, mask, cfg, ref=ref, w=w), logp, W)
     assert "kl" in m
+    # the IS weights leave the KL term alone: the loss with weights minus the loss without them is exactly the
+    # policy term times (w - 1), which is what verl's pg_losses * rollout_is_weights + kl_loss * coef gives
+    unweighted, _ = policy_loss(name)(logp, old, adv, mask, cfg, ref_logp=ref)
+    policy_only, _ = policy_loss(name)(logp, old, adv, mask, _cfg_for(name))
+    assert torch.allclose(out - unweighted, policy_only * (w - 1) * mask, atol=1e-12)
     # kl_in_reward switches the loss term off; kl_coef 0 too
     for c in (_cfg_for(name, kl_coef=0.07, kl_in_reward=True), _cfg_for(name, kl_coef=0.0)):
         plain, m2 = policy_loss(name)(logp, old, adv, mask, c, ref_logp=ref)
@@ -335,7 +341,7 @@ def test_cispo_keeps_gradient_beyond_the_cap():
     g = check(out, ref_loss("cispo", logp, old, adv, mask, cfg), logp, W)
     on0 = mask[0] > 0
     assert torch.allclose(g[0][on0], -(W[0] * 5.0 * adv[0])[on0], atol=TOL)
-    assert m["cispo_clip_frac"] > 0 or float(adv[0, 0]) <= 0
+    assert m["clip_frac"] > 0
 
 
 # ------------------------------------------------------------------------------------------------- presets
@@ -433,15 +439,25 @@ def test_huge_ratio_with_zero_advantage_gives_no_nan(name):
     assert torch.isnan(torch.tensor(0.0) * torch.exp(torch.tensor(800.0))), "the hazard the clamp removes"
 
 
-def test_cispo_reports_clip_frac():
-    logp, old, ref, adv, mask, W = make_batch(seed=4, spread=2.5, per_token_adv=False)
-    cfg = _cfg_for("cispo", epsilon_high=1.5)
-    _, m = policy_loss("cispo")(logp, old, adv, mask, cfg)
-    ratio = torch.exp(logp.detach() - old)
-    a = adv[:, None].expand_as(ratio)
-    expect = float((((ratio > 1.5) & (a > 0)).to(DT) * mask).sum() / mask.sum())
-    assert expect > 0 and float(m["clip_frac"]) == pytest.approx(expect)
-    assert float(m["cispo_clip_frac"]) == pytest.approx(expect)
+def test_cispo_clip_frac_counts_every_capped_token():
+    """A batch built so the capped tokens are known before any loss runs: log ratios of +1 (r = e > cap 1.5) on 5
+    of the 11 loss tokens, 3 of them with A > 0 and 2 with A < 0; the others at r = e^0.2 or e^-1. clip_frac must be
+    5/11 (every capped token), cispo_clip_frac_pos 3/11. Cross-check from the loss itself: a token's gradient is
+    -min(r, cap) A, so where A != 0 the capped ones are those with |grad| = cap |A| < r |A|. The former rule (A > 0
+    only) gives 3/11, which fails the first assertion: the negative control."""
+    log_ratio = torch.tensor([[1.0, 0.2, 1.0, -1.0, 0.2, 0.0], [1.0, -1.0, 1.0, 0.2, 1.0, 0.2]], dtype=DT)
+    adv = torch.tensor([[0.5, 0.5, -0.7, 0.3, -0.2, 0.0], [0.9, -0.4, -0.1, 0.6, 0.4, 0.8]], dtype=DT)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=DT)
+    old = torch.full_like(log_ratio, -2.0)
+    logp = (old + log_ratio).requires_grad_(True)
+    _, m = policy_loss("cispo")(logp, old, adv, mask, _cfg_for("cispo", epsilon_high=1.5))
+    assert float(m["clip_frac"]) == pytest.approx(5 / 11), "every capped token, whatever the sign of A"
+    assert float(m["cispo_clip_frac_pos"]) == pytest.approx(3 / 11)
+    out, _ = policy_loss("cispo")(logp, old, adv, mask, _cfg_for("cispo", epsilon_high=1.5))
+    grad = torch.autograd.grad(out.sum(), logp)[0]
+    on = (mask > 0) & (adv != 0)
+    capped = (grad.abs() < torch.exp(log_ratio) * adv.abs() - 1e-9) & on
+    assert int(capped.sum()) == 5 and torch.allclose(grad.abs()[capped], 1.5 * adv.abs()[capped])
 
 
 def test_seq_mean_token_sum_is_verls_definition():

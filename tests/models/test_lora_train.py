@@ -28,8 +28,42 @@ def test_lora_resume_equals_the_uninterrupted_run(lora_runs):
     resume_copy(lora_runs, "lora", "lora_resumed", str(lora_runs / "lora-ckpt" / "step_000003"), *LORA)
     assert_same_run(lora_runs / "lora", lora_runs / "lora_resumed", lora_runs / "lora-ckpt",
                     lora_runs / "lora_resumed-ckpt")
-    rows = [json.loads(line) for line in open(lora_runs / "lora" / "metrics.jsonl")]
-    assert rows[-1]["actor/kl_ref"] > 0, "the reference (the base, adapters off) differs from the trained policy"
+
+
+def test_kl_to_the_base_equals_hf(single_rank, tiny_dirs, tmp_path):
+    """The LoRA run's KL term (reference: the base, adapters off) against HF transformers: at step 1 the policy is
+    the merged weights the HF engine sampled with (its logprobs of the tokens it drew) and the reference the model
+    folder (float64, log_softmax(logits / T)); the logged k3 token mean equals theirs. Step 0 (B = 0: the policy is
+    the base) gives exactly 0. Negative control: the k1 mean of the same tokens is caught."""
+    from transformers import AutoModelForCausalLM
+
+    from mgrpo.trainer import GRPOTrainer
+    from run_configs import tiny_run_config
+
+    model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
+    cfg = tiny_run_config(model, tmp_path / "run", "--train.steps", "2", "--model.lora.rank", "4",
+                          "--model.lora.alpha", "8", "--algorithm.kl_coef", "0.01", "--train.lr", "0.05",
+                          "--logging.report", "false", "--logging.tensorboard", "false")
+    trainer = GRPOTrainer(cfg)
+    batches, real = [], trainer.collect
+    trainer.collect = lambda step: batches.append(real(step)) or batches[-1]
+    first = trainer.step(0)
+    assert first["actor/kl_ref"] == 0.0, "adapters start at B = 0: the policy is the base"
+    trainer.step(1)
+    got = trainer.update_metrics[0]["actor/kl_ref"]
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    d = []
+    for s in batches[1][0]:
+        ids, n = torch.tensor([s.prompt_ids + s.response_ids]), len(s.prompt_ids)
+        with torch.no_grad():
+            lp_ref = torch.log_softmax(ref(ids).logits[0] / cfg.rollout.temperature, -1)[n - 1: -1]
+        d.append(lp_ref.gather(1, ids[0, n:, None])[:, 0] - torch.tensor(s.rollout_logprobs, dtype=torch.float64))
+    d = torch.cat(d)
+    k3, k1 = float((torch.exp(d) - d - 1).mean()), float((-d).mean())
+    print(f"LoRA step 1: actor/kl_ref {got:.6e}, HF k3 {k3:.6e} (k1 {k1:.3e})")
+    assert got == pytest.approx(k3, rel=1e-4, abs=1e-8) and got > 1e-5
+    assert abs(got - k1) > 1e-3 * k3
+    trainer.close()
 
 
 def _logits(model, ids):

@@ -100,3 +100,110 @@ def test_replay_config_errors_are_one_line(tiny_dirs, case):
     cfg = load_config(argv=argv, check_files=False)
     errors = validate_layout(cfg, read_model_info(model), 1, cuda=False)
     assert any(expect in e for e in errors), errors
+
+
+class _TwoTurns:
+    """A two-turn scheduler for the test: after the first turn the environment adds a user message; the second
+    turn ends the trajectory (max_turns 2)."""
+
+    @staticmethod
+    def make(tokenizer):
+        from mgrpo.schedulers.base import MultiTurnScheduler
+
+        class TwoTurns(MultiTurnScheduler):
+            def check_finished(self, infer_request, response_choice, current_turn):
+                return current_turn >= 2
+
+            def step(self, infer_request, response_choice, current_turn):
+                infer_request.messages.append({"role": "user", "content": "and again, in other words"})
+                return {"infer_request": infer_request}
+
+        return TwoTurns(None, 2, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def two_turn(single_rank, tiny_dirs):
+    """Two-turn trajectories from the bf16 HF engine through the real scheduler driver (TurnClient, the run loop)."""
+    from mgrpo.config import load_config
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.rollout.engines.hf import HFEngine
+    from mgrpo.rollout.types import GenerationRequest
+    from mgrpo.schedulers.driver import scheduled_share
+
+    model = tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
+    tok = load_tokenizer(model)
+    engine = HFEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=torch.bfloat16)
+    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--rollout.scheduler", "single_turn",
+                            "--rollout.max_turns", "2"], check_files=False)
+    rows = [{"messages": [{"role": "user", "content": f"count to {i} in words, slowly"}]} for i in range(6)]
+    requests = [GenerationRequest(tok.apply_chat_template(r["messages"], add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False), seed=i,
+                                  request_id=f"t{i}") for i, r in enumerate(rows)]
+    scheduler = _TwoTurns.make(tok)
+    calls = []
+    real_generate = engine.generate
+
+    async def recording(reqs, sampling):
+        out = await real_generate(reqs, sampling)
+        calls.extend(zip(reqs, out))
+        return out
+
+    engine.generate = recording
+    samples = scheduled_share(scheduler, engine, cfg, requests, rows, list(range(6)),
+                              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    return model, samples, calls
+
+
+def test_routing_replay_is_carried_through_every_turn(two_turn):
+    """Each trajectory's record covers every position (no token routes freely); the rows that decided each
+    generated token are the generating turn's decode-time record, the prompt and the environment's tokens the
+    second turn's prefill; and the trainer, replaying it, routes every token to the engine's experts (fewer
+    logprob mismatches than without replay). Negative control: a trajectory without the record (what the driver
+    returned before) is routed by the trainer's own router, which disagrees with the bf16 engine somewhere."""
+    from mgrpo.models.routing import decode_routing
+
+    model, samples, calls = two_turn
+    assert all(s.info["num_turns"] == 2 and 0 in s.loss_mask for s in samples), "two turns, environment tokens"
+    by_turn = {req.request_id: (req.prompt_ids, resp) for req, resp in calls}
+    for s in samples:
+        rec = decode_routing(s.routed_experts)
+        assert rec.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1 and (rec >= 0).all()
+        assert s.info["routing_unrecorded"] == 0
+        for k in (1, 2):  # the rows that sampled turn k's tokens are turn k's own (request tN's turn k: tN-tk)
+            inputs, resp = by_turn[f"t{s.group_id}-t{k}"]
+            turn = decode_routing(resp.routed_experts)
+            first, n = len(inputs) - 1, len(resp.token_ids)
+            assert torch.equal(rec[first: first + n], turn[first: first + n]), (k, s.info)
+    on, mismatch_on, _ = _trainer_pass(model, samples, replay=True)
+    for s, got in zip(samples, on):
+        assert torch.equal(got, decode_routing(s.routed_experts).sort(-1).values)
+    bare = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
+                   rollout_logprobs=s.rollout_logprobs) for s in samples]
+    off, mismatch_off, agree = _trainer_pass(model, bare, replay=True)
+    flipped = sum(int((a != b).any(-1).any(-1).sum()) for a, b in zip(off, on))
+    print(f"two-turn MoE trajectories: replayed routing matches the engine on every token; without the record "
+          f"{flipped} tokens route elsewhere; rollout_logp_abs_diff replay {mismatch_on:.5f} vs none {mismatch_off:.5f}")
+    assert flipped > 0 and mismatch_on < mismatch_off
+
+
+def test_reference_routes_on_its_own(batch):
+    """The KL reference never replays the engine's routing (verl's compute_ref_log_prob, slime's "fallthrough"):
+    with routing_replay on, its logprobs equal a forward without records, and differ from a replayed forward (so a
+    replaying reference would be caught)."""
+    from mgrpo.actor import Actor, reference_policy
+    from mgrpo.config import load_config
+    from mgrpo.data.microbatch import make_microbatches
+
+    model, samples = batch
+    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay", "true",
+                            "--algorithm.kl_coef", "0.1"], check_files=False)
+    ref = reference_policy(cfg, None)
+    replayed = Actor(cfg, model, train=False)
+    assert ref.routing.replay is False and replayed.routing.replay is True
+    with_routes = make_microbatches(samples, 4, 0)
+    bare = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
+                   rollout_logprobs=s.rollout_logprobs) for s in samples]
+    without = make_microbatches(bare, 4, 0)
+    a, b, c = ref.logprobs(with_routes), ref.logprobs(without), replayed.logprobs(with_routes)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert max(float((x - y).abs().max()) for x, y in zip(a, c)) > 1e-4

@@ -64,6 +64,60 @@ def test_format_react_cosine_repetition_soft_overlong():
         soft_overlong("", length=3, max_tokens=32)
 
 
+def _dapo_overlong(y: int, l_max: int, l_cache: int) -> float:
+    """DAPO's eq. 13, written out case by case (arXiv:2503.14476): the reference."""
+    if y <= l_max - l_cache:
+        return 0.0
+    if y <= l_max:
+        return (l_max - l_cache - y) / l_cache
+    return -1.0
+
+
+def test_soft_overlong_is_dapos_and_floored_at_minus_one():
+    """Every length from 0 to 3 x L_max against eq. 13. Lengths past L_max occur in multi-turn trajectories (every
+    turn may take max_tokens); without the floor the former formula gave -(y - 24) / 8, e.g. -3.5 at y = 52: the
+    negative control."""
+    for y in range(0, 97):
+        assert soft_overlong("", length=y, max_tokens=32, soft_cache_length=8) == pytest.approx(
+            _dapo_overlong(y, 32, 8)), y
+    assert soft_overlong("", length=52, max_tokens=32, soft_cache_length=8) == -1.0 != -(52 - 24) / 8
+
+
+def test_soft_overlong_measures_the_whole_trajectory_against_its_budget():
+    """A three-turn trajectory: 10 + 12 + 9 model tokens with 6 + 5 environment tokens between them (loss mask 0).
+    |y| is the 31 model tokens, L_max the trajectory's budget max_turns x max_tokens = 3 x 12 = 36 (not one turn's
+    12, which the former options passed: -1 for any trajectory longer than one turn), L_cache 8: (28 - 31) / 8."""
+    from mgrpo.config import RolloutConfig
+    from mgrpo.rewards.registry import response_token_budget
+
+    mask = [1] * 10 + [0] * 6 + [1] * 12 + [0] * 5 + [1] * 9
+    traj = Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + len(mask))), loss_mask=mask)
+    rollout = RolloutConfig(scheduler="tool_call", max_turns=3, max_tokens=12)
+    assert response_token_budget(rollout) == 36
+    assert response_token_budget(RolloutConfig(max_tokens=12)) == 12
+    assert response_token_budget(RolloutConfig(scheduler="tool_call", max_tokens=12)) is None
+    score([traj], None, ["soft_overlong"], kwargs={"soft_cache_length": 8},
+          options=ScoreOptions(max_tokens=response_token_budget(rollout)))
+    assert traj.reward == pytest.approx(_dapo_overlong(31, 36, 8)) == pytest.approx(-3 / 8)
+
+
+def test_soft_overlong_config_errors_are_one_line():
+    from mgrpo.config import ConfigError, load_config
+
+    base = ["--model.path", "m", "--reward.funcs", "[soft_overlong]"]
+    cases = [([], "reward.kwargs.soft_cache_length=0: soft_overlong needs a cache length > 0"),
+             (["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call"],
+              "reward.kwargs.soft_max_length is unset and rollout.scheduler=tool_call has no rollout.max_turns"),
+             (["--reward.kwargs", "{soft_cache_length: 64}", "--rollout.max_tokens", "32"],
+              "reward.kwargs.soft_cache_length=64 must be below the limit 32")]
+    for extra, expect in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(argv=base + extra, check_files=False)
+        assert any(expect in line for line in str(err.value).splitlines()), str(err.value)
+    load_config(argv=base + ["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call",
+                             "--rollout.max_turns", "3"], check_files=False)
+
+
 @register_reward("_t_columns")
 def _columns(samples, tokenizer, solution, difficulty=None, **_):
     return [float(s == "4") + (d or 0) for s, d in zip(solution, difficulty or [None] * len(samples))]

@@ -101,3 +101,40 @@ def test_resume_with_a_batch_in_flight_continues_bitwise(single_rank, tmp_path, 
     assert all(torch.equal(w_whole[n], w_resumed[n]) for n in w_whole)
     print("one_step_off resumed at step 3 with step 3's batch in flight: steps 3-5 and the final weights bitwise "
           "equal to the uninterrupted run")
+
+
+def test_truncated_is_weights_the_loss_received(single_rank, tmp_path, tiny_dirs, monkeypatch):
+    """async (staleness 2) turns on token_truncate: every micro-batch's policy loss receives w = min(exp(old -
+    behaviour), 2) on its loss tokens, computed here in float64 from the same micro-batch's behaviour logprobs
+    (the engine's, `rollout_logp`) and current ones (the loss's old_logp: the trainer's at the weights it trains).
+    Stale samples make the weights differ from 1, so weights of 1 (no correction) would be caught."""
+    import mgrpo.actor
+
+    received, batches = [], []
+    real_loss = mgrpo.actor.policy_loss
+
+    def recording_loss(name):
+        fn = real_loss(name)
+
+        def wrapped(logp, old_logp, advantages, mask, cfg, **kw):
+            received.append((old_logp.detach().double(), mask.double(), kw["rollout_is_weights"].detach().double()))
+            return fn(logp, old_logp, advantages, mask, cfg, **kw)
+        return wrapped
+
+    monkeypatch.setattr(mgrpo.actor, "policy_loss", recording_loss)
+    trainer = make(tmp_path, tiny_dirs, "--train.steps", "6", "--rollout.mode", "async")
+    assert trainer.cfg.algorithm.rollout_is_mode == "token_truncate"
+    real_fb = trainer.actor.forward_backward
+    trainer.actor.forward_backward = lambda mbs: batches.extend(mbs) or real_fb(mbs)
+    history = trainer.fit()
+    assert len(received) == len(batches) > 0
+    worst, off_one = 0.0, 0.0
+    for (old, mask, w), mb in zip(received, batches):
+        behaviour = mb["rollout_logp"].double()
+        ref = torch.clamp(torch.exp(torch.clamp(old - behaviour, -20, 20)), max=2.0) * mask
+        worst = max(worst, float((w * mask - ref).abs().max()))
+        off_one = max(off_one, float(((ref - 1) * mask).abs().max()))
+    stale = max(h["async/staleness_max"] for h in history)
+    print(f"async TIS: {len(received)} micro-batches, max |w - float64 reference| {worst:.2e}, max |w - 1| "
+          f"{off_one:.3f}, staleness up to {stale}")
+    assert worst <= 1e-6 and off_one > 1e-2 and stale == 2
