@@ -19,11 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_size(text: str) -> int:
-    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
-    for unit, mult in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
+    """Bytes from "5GB", "500MB", "5GiB" (transformers' `convert_file_size_to_int`, the units of HF's
+    `max_shard_size`) or a plain byte count; ValueError with the fix for anything else."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = int(text) if str(text).strip().isdigit() else convert_file_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: use a positive size such as 5GB, 500MB or 5GiB (HF's units), "
+                         f"or a number of bytes")
+    return size
 
 
 def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 << 30, overwrite: bool = False,
@@ -77,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="a step_XXXXXX folder written by the trainer")
     ap.add_argument("--output", required=True, help="HF folder to write")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard: 5GB, 500MB, 5GiB or bytes")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--peft", action="store_true", help="a LoRA checkpoint's adapters as a PEFT folder (not merged)")
     args = ap.parse_args(argv)
@@ -87,7 +94,7 @@ def main(argv=None) -> int:
     try:
         out = convert(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.overwrite,
                       args.peft)
-    except (CheckpointFolderError, OutputExistsError) as exc:
+    except (CheckpointFolderError, OutputExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

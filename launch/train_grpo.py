@@ -28,6 +28,7 @@ from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
 from mgrpo.plan import take_plan_flags  # noqa: E402
+from mgrpo.stopping import EXIT_INTERRUPTED, handle_ctrl_c  # noqa: E402
 
 
 def prepare_tiny_model(cfg, rank: int) -> None:
@@ -76,6 +77,10 @@ def check(argv: list):
     from mgrpo.data.tokenizer import load_tokenizer
 
     cfg = load_config(argv=argv)
+    from mgrpo.logging import reused_output_problem
+
+    if reused_output_problem(cfg):
+        raise ConfigError(reused_output_problem(cfg))
     denv = read_dist_env()
     prepare_tiny_model(cfg, denv.rank)
     info = read_model_info(cfg.model.path)
@@ -101,6 +106,8 @@ def check(argv: list):
 
 def main(argv: list) -> int:
     from mgrpo.resume import ResumeError  # imported here: worker processes spawned later re-import this module
+
+    handle_ctrl_c()  # one Ctrl-C: a clean stop, exit 130; two: exit 130 at once
 
     try:
         argv, plan = take_plan_flags(argv)
@@ -153,6 +160,14 @@ def train(cfg, denv, data) -> int:
         if denv.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C (mgrpo/stopping.py): fit() closed the logs, the saver and the engines
+        if denv.rank == 0:
+            done = trainer.start_step + trainer.log.steps_logged
+            print(f"mgrpo: stopped by Ctrl-C after {done} complete step(s) (metrics in "
+                  f"{os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}); "
+                  + ("continue with --resume" if cfg.checkpoint.save_dir else "no checkpoint.save_dir to resume from"),
+                  file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     if denv.rank == 0 and history:
         k = min(5, len(history))
         first = sum(h["reward/mean"] for h in history[:k]) / k

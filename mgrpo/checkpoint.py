@@ -406,7 +406,11 @@ def load_checkpoint(model_chunks, ckpt_dir: str) -> dict:
 
 
 def pause_point(point: str, step: int) -> None:
-    """Test hook (MGRPO_TEST_PAUSE=point:step): rank 0 writes MGRPO_TEST_PAUSE_MARKER and waits to be killed."""
+    """Test hook (MGRPO_TEST_PAUSE=point:step): rank 0 writes MGRPO_TEST_PAUSE_MARKER and waits to be killed;
+    with MGRPO_TEST_MARK=point:step it writes the marker and goes on (a test then signals the run mid-phase)."""
+    if os.environ.get("MGRPO_TEST_MARK") == f"{point}:{step}" and dist.get_rank() == 0:
+        with open(os.environ["MGRPO_TEST_PAUSE_MARKER"], "w") as f:
+            f.write(f"{point}:{step}\n")
     if os.environ.get("MGRPO_TEST_PAUSE") == f"{point}:{step}" and dist.get_rank() == 0:
         with open(os.environ["MGRPO_TEST_PAUSE_MARKER"], "w") as f:
             f.write(f"{point}:{step}\n")

@@ -266,6 +266,7 @@ class LoggingConfig:
     completions_token_ids: bool = False  # also write prompt/response token ids
     log_entropy: bool = False  # also write each response token's entropy (the rollout policy's) to completions
     report: bool = True  # report.png at the end of the run (also: python -m mgrpo.report OUTPUT_DIR)
+    overwrite: bool = False  # an output_dir holding an earlier run: false refuses, true removes that run's files
 
 
 @dataclass
@@ -370,6 +371,8 @@ def parse_overrides(argv: list[str]) -> tuple[Optional[str], dict]:
             else:
                 inline = "true"  # a bare flag is a boolean switch: --sp
         if key == "--config":
+            if not eq and inline == "true":  # a bare --config: the file name is missing, not a boolean
+                errors.append("--config needs a YAML file: --config examples/tiny_cpu.yaml")
             config_path = inline
             continue
         if key == "--resume":  # bare: SAVE_DIR/latest; with a path: that checkpoint

@@ -11,9 +11,27 @@ def must(name: str, value, ok: bool, rule: str, fix: str = "") -> list:
 
 
 def suggest(name: str, options) -> str:
-    """The closest known name as a hint for a message, or the list of known ones."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    """The closest known name as a hint for a message (a name it begins, e.g. ppo -> ppo_clip, before a
+    spelling neighbour), or the list of known ones."""
+    options = list(options)
+    prefixed = sorted(o for o in options if str(o).startswith(name + "_") or str(o).startswith(name + "-"))
+    close = prefixed[:1] or difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
+
+
+def folder_problem(field: str, path: str) -> list:
+    """A folder the run will create or write into: it, or a folder above it, must not be a regular file."""
+    if not path:
+        return []
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.isfile(probe):
+            where = "is a file" if probe == os.path.abspath(path) else f"is under {probe}, which is a file"
+            return [f"{field}={path!r} {where}, not a folder; choose another path"]
+        parent = os.path.dirname(probe)
+        if parent == probe or os.path.isdir(probe):
+            return []
+        probe = parent
 
 
 def check_algorithm_names(a) -> list:
@@ -57,7 +75,7 @@ def check_vllm(r) -> list:
 def check_logging(g) -> list:
     import importlib.util
 
-    e = []
+    e = folder_problem("logging.output_dir", g.output_dir)
     if g.completions_interval < 0:
         e.append(f"logging.completions_interval={g.completions_interval} must be >= 0 (0 = never)")
     if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -69,7 +87,25 @@ def check_logging(g) -> list:
         if importlib.util.find_spec("wandb") is None:
             e.append("logging.wandb is set but the wandb package is not installed; pip install wandb or remove "
                      "logging.wandb")
+        elif g.wandb.mode in (None, "online") and os.environ.get("WANDB_MODE") not in ("offline", "disabled") \
+                and not wandb_key_present():
+            e.append("logging.wandb logs online but no wandb API key was found (WANDB_API_KEY or `wandb login`); "
+                     "set --logging.wandb.mode offline to log locally without one (upload later: wandb sync "
+                     "OUTPUT_DIR/wandb/offline-run-*)")
     return e
+
+
+def wandb_key_present() -> bool:
+    """WANDB_API_KEY, or a key `wandb login` stored in ~/.netrc (or $NETRC)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        hosts = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return any("wandb" in host for host in hosts)
 
 
 def check_remote(r) -> list:
@@ -124,6 +160,7 @@ def check_checkpoint(c) -> list:
     if (c.save_interval or c.export_hf_at_end) and not c.save_dir:
         e.append("checkpoint.save_interval or checkpoint.export_hf_at_end is set but checkpoint.save_dir is empty; "
                  "give a folder for the checkpoints")
+    e += folder_problem("checkpoint.save_dir", c.save_dir)
     if c.resume == "latest" and not c.save_dir:
         e.append("--resume (latest) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
                  "checkpoint: --resume SAVE_DIR/step_XXXXXX")
@@ -169,8 +206,9 @@ def check_algorithm_numbers(a) -> list:
 
 def _check_path(value: str, name: str) -> list:
     if "/path/to/" in value and not os.path.exists(value):
-        return [f"{name}={value!r} is the example's placeholder: prepare the file (the example's header says how) "
-                f"and pass --{name} FILE"]
+        return [f"{name}={value!r} is the example's placeholder: make a .jsonl with a prompt column (and solution, for "
+                f"the accuracy reward; examples/gsm8k.yaml's header makes one from GSM8K in one command) and pass "
+                f"--{name} FILE"]
     if not os.path.exists(value):
         return [f"{name}={value!r}: not found; check the path (relative paths are from {os.getcwd()})"]
     return []

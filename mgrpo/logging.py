@@ -4,6 +4,7 @@ metrics (global rank 0) writes; the others get a disabled logger."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -96,15 +97,40 @@ class WandbSink:
         self.run.finish()
 
 
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "config.yaml", "report.png", "tensorboard", "wandb")
+
+
+def earlier_run(output_dir: str) -> list:
+    """The files of a run already in `output_dir` (a new run there would mix with them: TensorBoard overlays
+    event files, wandb keeps its id)."""
+    return [n for n in RUN_FILES if os.path.exists(os.path.join(output_dir, n))]
+
+
+def reused_output_problem(cfg) -> list:
+    """A fresh run into a folder that holds one: refused unless logging.overwrite (or --resume continues it)."""
+    found = earlier_run(cfg.logging.output_dir) if not cfg.checkpoint.resume else []
+    if not found or cfg.logging.overwrite:
+        return []
+    return [f"logging.output_dir={cfg.logging.output_dir!r} already holds a run ({', '.join(found)}); choose a new "
+            f"folder, continue that run with --resume, or pass --logging.overwrite true to remove its files first"]
+
+
 class RunLogger:
     def __init__(self, cfg, enabled: bool = True, resume_step: int = 0):
-        """`resume_step`: the first step of a resumed run; the files are cut back to the steps before it."""
+        """`resume_step`: the first step of a resumed run; the files are cut back to the steps before it. A fresh
+        run with logging.overwrite removes an earlier run's files from the folder first."""
         from mgrpo.config import to_dict
 
         g = cfg.logging
         self.enabled, self.cfg, self.dir, self.steps_logged = enabled, cfg, g.output_dir, 0
         if not enabled:
             return
+        if g.overwrite and not resume_step:
+            import shutil
+
+            for name in earlier_run(self.dir):
+                path = os.path.join(self.dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.makedirs(self.dir, exist_ok=True)
         tmp = os.path.join(self.dir, ".config.yaml.tmp")
         with open(tmp, "w") as f:
@@ -151,9 +177,10 @@ class RunLogger:
         if not self.enabled or self.completions is None or step % g.completions_interval:
             return
         for k, (s, adv) in enumerate(zip(samples, advantages)):
+            reward = s.reward if s.reward is None or math.isfinite(s.reward) else None  # JSON has no NaN
             row = {"step": step, "group": s.group_id, "prompt": tokenizer.decode(s.prompt_ids),
                    "completion": tokenizer.decode(s.response_ids), "rewards": s.info.get("rewards", {}),
-                   "reward": s.reward, "advantage": float(adv), "finish_reason": s.finish_reason,
+                   "reward": reward, "advantage": float(adv), "finish_reason": s.finish_reason,
                    "weight_version": s.weight_version}
             if s.info.get("reward_failed"):
                 row["reward_failed"] = s.info["reward_failed"]

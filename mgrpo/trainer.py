@@ -101,6 +101,7 @@ class GRPOTrainer:
         clock and `timing/other` what no phase timer saw."""
         timer, alg = StepTimer(["rollout", "old_logprob", "ref_logprob", "train", "sync"]), self.cfg.algorithm
         with timer("rollout"):
+            pause_point("rollout", step)  # test hook: Ctrl-C mid-rollout
             samples, extra = self.collect(step)
         batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0, step=step)
         for key, actor in (("old_logp", self.actor if batch.needs_old_logprobs else None), ("ref_logp", self.ref)):
@@ -155,7 +156,7 @@ class GRPOTrainer:
         return history
 
     def close(self) -> None:
-        """Engines (and their processes and buffers) end with the run."""
-        for part in (self.producer, self.transport, self.engine):
+        """An async save in flight is finished; engines (and their processes and buffers) end with the run."""
+        for part in (self.saver, self.producer, self.transport, self.engine):
             if hasattr(part, "close"):
                 part.close()

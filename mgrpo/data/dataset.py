@@ -63,6 +63,10 @@ def open_table(path: str, field_name: str = "data.path"):
         if kind is None:
             raise DatasetError(f"{field_name}={path!r}: unknown format; use .jsonl, .json, .parquet or a "
                                f"save_to_disk folder")
+        if os.path.getsize(path) == 0 or (kind == "json" and not _has_text(path)):
+            raise DatasetError(f"{field_name}={path!r} is empty; it needs at least one row with a prompt")
+        if path.lower().endswith(".jsonl"):  # name the line datasets would only call a DatasetGenerationError
+            _read_jsonl(path, field_name)
         return datasets.load_dataset(kind, data_files=path, split="train")
     except DatasetError:
         raise
@@ -70,6 +74,11 @@ def open_table(path: str, field_name: str = "data.path"):
         text = " ".join(str(exc).split())[:300]
         raise DatasetError(f"{field_name}={path!r}: cannot be read as a dataset ({type(exc).__name__}: {text}); "
                            f"check the file's format") from None
+
+
+def _has_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        return any(line.strip() for line in f)
 
 
 class _Rows(list):

@@ -33,12 +33,23 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from mgrpo.stopping import within
+
 log = logging.getLogger("mgrpo.rewards")
 _FAILED = object()
+_FIRST_ERROR: dict = {}  # reward name -> "ExcType: message" of its first failure in the current score() call
+
+
+def _note(name: str, exc: BaseException) -> None:
+    _FIRST_ERROR.setdefault(name, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 class RewardError(ValueError):
     """A reward function broke its contract (wrong count or type of values); the message names it."""
+
+
+class AllRewardsFailed(RuntimeError):
+    """Every sample of a call failed its reward (each function's first exception in the message): the run stops."""
 
 @dataclass
 class RewardSpec:
@@ -54,16 +65,28 @@ class RewardSpec:
 _REWARDS: dict[str, RewardSpec] = {}
 
 
-def register_reward(name: str, per_sample: bool = False, isolated: bool = False):
+def register_reward(name: str, per_sample: bool = False, isolated: bool = False, override: bool = False):
     """`@register_reward("name")` on fn(samples, tokenizer, **kwargs); `per_sample=True` on fn(completion,
-    **kwargs); `isolated=True` (per sample only) runs it in the reward worker processes, under a timeout."""
+    **kwargs); `isolated=True` (per sample only) runs it in the reward worker processes, under a timeout. A name
+    already registered (a built-in, another plugin's) is refused unless `override=True`."""
     if isolated and not per_sample:
         raise ValueError(f"reward {name!r}: isolated=True needs per_sample=True (one call per sample)")
 
     def deco(fn):
+        if not getattr(fn, "__module__", "").startswith("mgrpo.rewards"):
+            _builtins()  # a plugin's name meets the built-ins now, not when they load later
+        old = _REWARDS.get(name)
+        if old is not None and not override and _origin(old.fn) != _origin(fn):
+            raise ValueError(f"reward {name!r} is already registered by {_origin(old.fn)}; register yours under "
+                             f"another name, or with register_reward({name!r}, override=True) to replace it")
         _REWARDS[name] = RewardSpec(fn, per_sample, isolated)
         return fn
     return deco
+
+
+def _origin(fn) -> str:
+    """Where a function was defined (the same function re-registered, e.g. a plugin imported again, is fine)."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def reward_names() -> list:
@@ -161,6 +184,7 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> 
     except RewardError:
         raise
     except Exception as exc:
+        _note(name, exc)
         log.warning("reward %r raised %s: %s; scoring its %d samples one by one", name, type(exc).__name__, exc,
                     len(samples))
     out = []
@@ -169,7 +193,8 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> 
             out += _checked(name, fn([s], tokenizer, **kwargs, **_column_kwargs(fn, [s], kwargs)), 1)
         except RewardError:
             raise
-        except Exception:
+        except Exception as exc:
+            _note(name, exc)
             out.append(_FAILED)
     return out
 
@@ -184,12 +209,16 @@ def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kw
         raw = pool.map(spec.fn, [(a, {k: v for k, v in kw.items() if k != "info"}) for a, kw in items],
                        opts.timeout_s)
         raw = [_FAILED if v is FAILED else v for v in raw]
+        if any(v is _FAILED for v in raw):
+            _FIRST_ERROR.setdefault(name, f"raised or ran past reward.timeout_s={opts.timeout_s:g} s in a reward "
+                                          f"worker process")
     else:
         raw = []
         for args, kw in items:
             try:
                 raw.append(spec.fn(*args, **kw))
-            except Exception:  # noqa: BLE001  (this sample failed)
+            except Exception as exc:  # noqa: BLE001  (this sample failed)
+                _note(name, exc)
                 raw.append(_FAILED)
     ok = [v for v in raw if v is not _FAILED]
     _checked(name, ok, len(ok))  # types
@@ -199,12 +228,12 @@ def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kw
 async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float) -> dict:
     async def one(name, fn):
         try:
-            got = await asyncio.wait_for(fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)),
-                                         timeout_s)
+            got = await within(fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)), timeout_s)
             return _checked(name, got, len(samples))
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001  (a raise or a timeout fails the batch's samples)
+            _note(name, exc)
             log.warning("async reward %r failed for its %d samples: %s", name, len(samples),
                         f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return [_FAILED] * len(samples)
@@ -251,6 +280,7 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
     if len(weights) != len(funcs):
         raise ValueError(f"reward.weights has {len(weights)} entries for {len(funcs)} reward.funcs")
     specs = {name: get_spec(name) for name in funcs}
+    _FIRST_ERROR.clear()
     asyncs = {n: sp for n, sp in specs.items() if sp.is_async and not sp.per_sample}
     table = asyncio.run(_async_values(asyncs, samples, tokenizer, kwargs, opts.timeout_s)) if asyncs else {}
     for name, spec in specs.items():
@@ -277,6 +307,11 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
     n_failed = sum(1 for s in samples if s.info.get("reward_failed"))
     if n_failed:
         names = sorted({n for s in samples for n in s.info.get("reward_failed", [])})
+        first = "; ".join(f"reward {n!r}: {_FIRST_ERROR.get(n, 'returned NaN or inf')}" for n in names)
+        if n_failed == len(samples):
+            raise AllRewardsFailed(f"every one of the {len(samples)} samples failed its reward, so nothing can "
+                                   f"train; first failure: {first}. Fix the reward function (or its inputs) and "
+                                   f"run again")
         log.warning("%d of %d samples failed their reward (%s): they get no advantage and no loss", n_failed,
-                    len(samples), ", ".join(names))
+                    len(samples), first)
     return total

@@ -21,6 +21,7 @@ from mgrpo.parallel.device import cpu_group, share_json
 from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams, sample_dict
 from mgrpo.schedulers.driver import fail_aborted
+from mgrpo.stopping import within
 
 
 class RolloutError(RuntimeError):
@@ -78,7 +79,7 @@ class RolloutManager:
 
         async def one(part):
             try:
-                return await asyncio.wait_for(self.engine.generate(part, sampling), timeout)
+                return await within(self.engine.generate(part, sampling), timeout)
             except asyncio.TimeoutError:
                 raise RolloutError(f"engine {self.engine.name} did not answer {len(part)} requests within "
                                    f"rollout.request_timeout_s={timeout:g} s") from None

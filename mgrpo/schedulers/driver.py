@@ -19,6 +19,7 @@ from dataclasses import astuple
 from mgrpo.rollout.types import GenerationRequest, Sample
 from mgrpo.schedulers.tokens import turn_seed
 from mgrpo.schedulers.types import ChatMessage, ChatResponse, InferRequest, ResponseChoice, flatten
+from mgrpo.stopping import within
 
 log = logging.getLogger("mgrpo.schedulers")
 
@@ -86,7 +87,7 @@ class TurnClient:
     async def _call(self, group: list) -> None:
         self.calls += 1
         try:
-            out = await asyncio.wait_for(self.engine.generate([r for r, _, _ in group], group[0][1]), self.timeout)
+            out = await within(self.engine.generate([r for r, _, _ in group], group[0][1]), self.timeout)
         except asyncio.TimeoutError:
             out = TimeoutError(f"engine {self.engine.name} did not answer {len(group)} turns within "
                                f"rollout.request_timeout_s={self.timeout:g} s")
