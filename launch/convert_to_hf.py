@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+
+# megatron-core warns at import about every optional kernel package it does not find (Apex, TE, ...)
+warnings.filterwarnings("ignore", module=r"megatron\.")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,13 +92,17 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--peft", action="store_true", help="a LoRA checkpoint's adapters as a PEFT folder (not merged)")
     args = ap.parse_args(argv)
+    try:  # before megatron is imported: a bad value answers at once
+        max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from mgrpo.checkpoint import CheckpointFolderError
     from mgrpo.resharding.hf_writer import OutputExistsError
 
     try:
-        out = convert(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.overwrite,
-                      args.peft)
-    except (CheckpointFolderError, OutputExistsError, ValueError) as exc:
+        out = convert(args.checkpoint, args.output, args.dtype, max_shard_bytes, args.overwrite, args.peft)
+    except (CheckpointFolderError, OutputExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

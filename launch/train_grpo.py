@@ -18,9 +18,9 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mgrpo.parallel.omp import passive_wait_if_oversubscribed  # noqa: E402
+from mgrpo.parallel.omp import choose_wait_policy  # noqa: E402
 
-passive_wait_if_oversubscribed()  # before torch is imported (libgomp reads it once)
+choose_wait_policy()  # before torch is imported (libgomp reads it once)
 
 from mgrpo.config import ConfigError, describe_algorithm, load_config  # noqa: E402
 from mgrpo.config_checks import validate_layout  # noqa: E402
@@ -108,6 +108,11 @@ def main(argv: list) -> int:
     from mgrpo.resume import ResumeError  # imported here: worker processes spawned later re-import this module
 
     handle_ctrl_c()  # one Ctrl-C: a clean stop, exit 130; two: exit 130 at once
+    if "--help" in argv or "-h" in argv:
+        from mgrpo.cli_help import config_help
+
+        print(config_help())
+        return 0
 
     try:
         argv, plan = take_plan_flags(argv)

@@ -1,9 +1,11 @@
-"""OMP_WAIT_POLICY=PASSIVE only when a node's ranks x OpenMP threads outnumber its cores, never over the user's."""
+"""OMP_WAIT_POLICY: PASSIVE on machines without NVIDIA GPUs and on oversubscribed GPU nodes, never over the user's
+(mgrpo/parallel/omp.py has the measurements behind the choice)."""
 import os
 
 import pytest
 
-from mgrpo.parallel.omp import local_ranks, passive_wait_if_oversubscribed
+from mgrpo.parallel import omp
+from mgrpo.parallel.omp import choose_wait_policy, local_ranks
 
 
 @pytest.fixture
@@ -14,15 +16,17 @@ def env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("ranks,threads,user,expect", [("2", "2", None, "PASSIVE"), ("1", "2", None, None),
-                                                       ("4", "1", None, "PASSIVE"), ("2", "1", None, None),
-                                                       ("2", "2", "ACTIVE", "ACTIVE")])
-def test_passive_only_when_oversubscribed(env, ranks, threads, user, expect):
+@pytest.mark.parametrize("gpu,ranks,threads,user,expect", [
+    (False, "1", "2", None, "PASSIVE"), (False, "2", "2", None, "PASSIVE"), (False, "1", "2", "ACTIVE", "ACTIVE"),
+    (True, "1", "2", None, None), (True, "2", "2", None, "PASSIVE"), (True, "4", "1", None, "PASSIVE"),
+    (True, "2", "2", "ACTIVE", "ACTIVE")])
+def test_wait_policy(env, gpu, ranks, threads, user, expect):
+    env.setattr(omp, "has_nvidia_gpu", lambda: gpu)
     env.setenv("LOCAL_WORLD_SIZE", ranks)
     env.setenv("OMP_NUM_THREADS", threads)
     if user:
         env.setenv("OMP_WAIT_POLICY", user)
-    assert passive_wait_if_oversubscribed() == (expect == "PASSIVE" and user is None)
+    assert choose_wait_policy() == expect
     assert os.environ.get("OMP_WAIT_POLICY") == expect
 
 

@@ -6,9 +6,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from mgrpo.parallel.omp import passive_wait_if_oversubscribed  # noqa: E402
+from mgrpo.parallel.omp import choose_wait_policy  # noqa: E402
 
-passive_wait_if_oversubscribed()  # as the launcher does, before torch
+choose_wait_policy()  # as the launcher does, before torch
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
