@@ -158,7 +158,10 @@ def test_async_rewards_run_concurrently_and_time_out():
     score(samples, None, ["_t_async_slow", "_t_async_slow2"], options=ScoreOptions(timeout_s=5))
     assert time.perf_counter() - t0 < 1.1 and [s.reward for s in samples] == [3.0, 3.0]
     t0 = time.perf_counter()
-    score(samples, None, ["_t_async_slow", "_t_async_hang"], options=ScoreOptions(timeout_s=1.0))
+    from mgrpo.rewards.registry import AllRewardsFailed
+
+    with pytest.raises(AllRewardsFailed, match="reward '_t_async_hang': TimeoutError"):  # every sample failed
+        score(samples, None, ["_t_async_slow", "_t_async_hang"], options=ScoreOptions(timeout_s=1.0))
     assert time.perf_counter() - t0 < 2.0
     assert all(math.isnan(s.reward) and s.info["reward_failed"] == ["_t_async_hang"] for s in samples)
 
