@@ -37,11 +37,11 @@ from mgrpo.stopping import within
 
 log = logging.getLogger("mgrpo.rewards")
 _FAILED = object()
-_FIRST_ERROR: dict = {}  # reward name -> "ExcType: message" of its first failure in the current score() call
 
 
-def _note(name: str, exc: BaseException) -> None:
-    _FIRST_ERROR.setdefault(name, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+def _note(errors: dict, name: str, exc: BaseException) -> None:
+    """Keep a reward's first failure ("ExcType: message") in this score() call's `errors`."""
+    errors.setdefault(name, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 class RewardError(ValueError):
@@ -177,14 +177,14 @@ def _sample_kwargs(accepts: set, sample, kwargs: dict, max_tokens: int | None) -
     return out
 
 
-def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> list:
+def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict, errors: dict) -> list:
     """A batched sync fn's value per sample; _FAILED where it raised (a raising batch is retried one by one)."""
     try:
         return _checked(name, fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)), len(samples))
     except RewardError:
         raise
     except Exception as exc:
-        _note(name, exc)
+        _note(errors, name, exc)
         log.warning("reward %r raised %s: %s; scoring its %d samples one by one", name, type(exc).__name__, exc,
                     len(samples))
     out = []
@@ -194,12 +194,13 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict) -> 
         except RewardError:
             raise
         except Exception as exc:
-            _note(name, exc)
+            _note(errors, name, exc)
             out.append(_FAILED)
     return out
 
 
-def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts) -> list:
+def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts,
+                       errors: dict) -> list:
     accepts = _accepts(spec.fn)  # once per function, not per sample
     items = [((completion_text(s, tokenizer),), _sample_kwargs(accepts, s, kwargs, opts.max_tokens)) for s in samples]
     if spec.isolated:
@@ -210,7 +211,7 @@ def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kw
                        opts.timeout_s)
         raw = [_FAILED if v is FAILED else v for v in raw]
         if any(v is _FAILED for v in raw):
-            _FIRST_ERROR.setdefault(name, f"raised or ran past reward.timeout_s={opts.timeout_s:g} s in a reward "
+            errors.setdefault(name, f"raised or ran past reward.timeout_s={opts.timeout_s:g} s in a reward "
                                           f"worker process")
     else:
         raw = []
@@ -218,14 +219,15 @@ def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kw
             try:
                 raw.append(spec.fn(*args, **kw))
             except Exception as exc:  # noqa: BLE001  (this sample failed)
-                _note(name, exc)
+                _note(errors, name, exc)
                 raw.append(_FAILED)
     ok = [v for v in raw if v is not _FAILED]
     _checked(name, ok, len(ok))  # types
     return [v if v is _FAILED or v is None else float(v) for v in raw]
 
 
-async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float) -> dict:
+async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float,
+                        errors: dict) -> dict:
     async def one(name, fn):
         try:
             got = await within(fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)), timeout_s)
@@ -233,7 +235,7 @@ async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, tim
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001  (a raise or a timeout fails the batch's samples)
-            _note(name, exc)
+            _note(errors, name, exc)
             log.warning("async reward %r failed for its %d samples: %s", name, len(samples),
                         f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return [_FAILED] * len(samples)
@@ -280,14 +282,14 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
     if len(weights) != len(funcs):
         raise ValueError(f"reward.weights has {len(weights)} entries for {len(funcs)} reward.funcs")
     specs = {name: get_spec(name) for name in funcs}
-    _FIRST_ERROR.clear()
+    errors: dict = {}  # each function's first failure in this call (a local: the producer thread scores too)
     asyncs = {n: sp for n, sp in specs.items() if sp.is_async and not sp.per_sample}
-    table = asyncio.run(_async_values(asyncs, samples, tokenizer, kwargs, opts.timeout_s)) if asyncs else {}
+    table = asyncio.run(_async_values(asyncs, samples, tokenizer, kwargs, opts.timeout_s, errors)) if asyncs else {}
     for name, spec in specs.items():
         if name in table:
             continue
-        table[name] = _per_sample_values(name, spec, samples, tokenizer, kwargs, opts) if spec.per_sample else \
-            _values(name, spec.fn, samples, tokenizer, kwargs)
+        table[name] = _per_sample_values(name, spec, samples, tokenizer, kwargs, opts, errors) if spec.per_sample \
+            else _values(name, spec.fn, samples, tokenizer, kwargs, errors)
     total = []
     for i, s in enumerate(samples):
         value, failed = 0.0, []
@@ -307,7 +309,7 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
     n_failed = sum(1 for s in samples if s.info.get("reward_failed"))
     if n_failed:
         names = sorted({n for s in samples for n in s.info.get("reward_failed", [])})
-        first = "; ".join(f"reward {n!r}: {_FIRST_ERROR.get(n, 'returned NaN or inf')}" for n in names)
+        first = "; ".join(f"reward {n!r}: {errors.get(n, 'returned NaN or inf')}" for n in names)
         if n_failed == len(samples):
             raise AllRewardsFailed(f"every one of the {len(samples)} samples failed its reward, so nothing can "
                                    f"train; first failure: {first}. Fix the reward function (or its inputs) and "
