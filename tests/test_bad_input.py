@@ -161,7 +161,7 @@ def test_flags_and_placeholders(args, expected, check_only):
                                          ("1048576", 1 << 20)])
 def test_converter_sizes_use_transformers_units(size, expect):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from convert_to_hf import parse_size
+    from mgrpo.cli.convert import parse_size
 
     assert parse_size(size) == expect
 

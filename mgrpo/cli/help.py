@@ -7,12 +7,15 @@ import inspect
 import re
 import typing
 
-USAGE = """usage: train_grpo.py [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--tp N --pp N --cp N --vpp N --ep N --sp]
-                     [--resume [CHECKPOINT]] [--external-plugins FILE.py] [--print-plan [--world-size N]]
+USAGE = """usage: mgrpo-train [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--tp N --pp N --cp N --vpp N --ep N --sp]
+                   [--resume [CHECKPOINT]] [--external-plugins FILE.py] [--print-plan [--world-size N]]
+       (torchrun ... launch/train_grpo.py takes the same flags)
 
 Flags override the YAML; dotted keys reach every field below (--rollout.n 8, --algorithm.loss_type dapo); values
 are YAML (--reward.funcs "[accuracy, format]", --logging.wandb "{project: x, mode: offline}"). Every problem is
 reported, one line each, before any process group starts (exit 2). Ctrl-C stops cleanly (exit 130).
+Words in a flag may be joined by - or _ (--rollout.max-tokens = --rollout.max_tokens), as in mgrpo-convert and
+mgrpo-serve.
 Short flags: --tp/--pp/--cp/--vpp/--ep/--sp = parallel.tp/pp/cp/vpp/ep/sp.
 """
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^#]*?(?:#\s*(.*))?$")

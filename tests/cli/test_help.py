@@ -1,4 +1,4 @@
-"""`train_grpo.py --help` is generated from the config dataclasses: every leaf field appears once with its type and
+"""`mgrpo-train --help` is generated from the config dataclasses: every leaf field appears once with its type and
 default, and a field's comment in mgrpo/config.py is its help line."""
 import dataclasses
 import typing
@@ -14,7 +14,7 @@ def _leaves(cls, prefix=""):
 
 
 def test_help_lists_every_field_with_type_default_and_meaning():
-    from mgrpo.cli_help import config_help
+    from mgrpo.cli.help import config_help
     from mgrpo.config import Config
 
     text = config_help()
@@ -24,4 +24,4 @@ def test_help_lists_every_field_with_type_default_and_meaning():
     assert "  --algorithm.aggregation str|null (default None)\n      token-mean | seq-mean-token-mean" in text
     assert "  --logging.overwrite bool (default False)\n      an output_dir holding an earlier run" in text
     assert "  --rollout.n int (default 4)\n      samples per prompt (group size)" in text
-    assert text.startswith("usage: train_grpo.py [--config FILE.yaml]")
+    assert text.startswith("usage: mgrpo-train [--config FILE.yaml]")
