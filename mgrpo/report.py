@@ -1,5 +1,8 @@
 """report.png: a run's curves on one page, readable at a glance (shared step axis, lightly smoothed lines over
-the faint raw values, units in the titles) and a stacked breakdown of where each step's time went.
+the faint raw values, units in the titles) and a stacked breakdown of where each step's time went. The run's
+name heads the page; a panel whose every series stayed constant (a KL of zero without a reference, no clipping)
+is left out and listed in one line at the bottom; reward/mean is drawn on top, and a per-function reward that
+equals it at every step is named in its label instead of hiding it.
 
     python -m mgrpo.report OUTPUT_DIR [--output report.png]
 
@@ -68,18 +71,57 @@ def smooth(values: list) -> list:
     return out
 
 
-def build_figure(rows: list):
-    """The report as a matplotlib Figure (not saved): one axis per panel, titles as in `panels()`."""
+ALWAYS_SHOWN = ("Reward", "Time per step")  # the run's outcome and its cost, even when flat
+
+
+def _values(rows: list, key: str) -> list:
+    return [float(r[key]) for r in rows if r.get(key) is not None]
+
+
+def _constant(rows: list, key: str):
+    """The value a series held at every step, or None if it varied (or was never logged)."""
+    values = _values(rows, key)
+    if not values or any(not math.isclose(v, values[0], rel_tol=1e-9, abs_tol=1e-12) for v in values):
+        return None
+    return values[0]
+
+
+def _equal_series(rows: list, a: str, b: str) -> bool:
+    pairs = [(r.get(a), r.get(b)) for r in rows if r.get(a) is not None or r.get(b) is not None]
+    return bool(pairs) and all(x is not None and y is not None and math.isclose(float(x), float(y), abs_tol=1e-12)
+                               for x, y in pairs)
+
+
+def shown_panels(rows: list) -> tuple[list, list]:
+    """(panels to draw, 'key=value' of the constant series whose panels were left out). A per-function reward
+    equal to reward/mean at every step is dropped from the reward panel (reward/mean's label names it)."""
+    keys = {k for r in rows for k in r}
+    shown, flat = [], []
+    for title, series in panels(keys):
+        present = [k for k in series if k in keys]
+        if title.startswith("Reward"):
+            same = [k for k in present if k != "reward/mean" and _equal_series(rows, k, "reward/mean")]
+            series = [k for k in series if k not in same]
+            shown.append((title, series, {"reward/mean": "reward/mean" + "".join(f" = {k}" for k in same)}))
+        elif title.startswith(ALWAYS_SHOWN) or not present or any(_constant(rows, k) is None for k in present):
+            shown.append((title, series, {}))
+        else:
+            flat += [f"{k}={_constant(rows, k):.4g}" for k in present]
+    return shown, flat
+
+
+def build_figure(rows: list, name: str | None = None):
+    """The report as a matplotlib Figure (not saved): one axis per shown panel, titles as in `panels()`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = {k for r in rows for k in r}
-    layout = panels(keys)
+    layout, flat = shown_panels(rows)
     rows_n = math.ceil(len(layout) / 2)
     fig, axes = plt.subplots(rows_n, 2, figsize=(14, 3.25 * rows_n), sharex=True, squeeze=False)
-    for ax, (title, series) in zip(axes.flat, layout):
+    for ax, (title, series, labels) in zip(axes.flat, layout):
         ax.set_title(title, fontsize=11)
         ax.grid(alpha=0.3)
         present = [k for k in series if k in keys]
@@ -92,9 +134,10 @@ def build_figure(rows: list):
             for i, k in enumerate(present):
                 pts = [(r["step"], float(r[k])) for r in rows if k in r and r[k] is not None]
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                color = f"C{i}"
-                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, label=f"_raw {k}")
-                ax.plot(xs, smooth(ys), color=color, linewidth=1.8, label=k)
+                color, top = ("black", 3) if k == "reward/mean" else (f"C{i}", 2)
+                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, label=f"_raw {k}", zorder=top)
+                ax.plot(xs, smooth(ys), color=color, linewidth=2.2 if top == 3 else 1.6, label=labels.get(k, k),
+                        zorder=top)
         if present:
             ax.legend(fontsize=8, loc="best")
         else:
@@ -104,8 +147,11 @@ def build_figure(rows: list):
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    fig.suptitle(f"mgrpo run: {len(rows)} steps", fontsize=13)
-    fig.tight_layout()
+    fig.suptitle(f"mgrpo run {name}: {len(rows)} steps" if name else f"mgrpo run: {len(rows)} steps", fontsize=13)
+    if flat:
+        fig.text(0.01, 0.002, "constant over the run (panels left out): " + ", ".join(flat), fontsize=8,
+                 color="grey", ha="left", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.02 if flat else 0, 1, 1))
     return fig
 
 
@@ -113,7 +159,7 @@ def save_report(run_dir: str, output: str | None = None) -> str:
     """Write report.png (atomically) from run_dir/metrics.jsonl; returns its path."""
     import matplotlib.pyplot as plt
 
-    fig = build_figure(read_metrics(run_dir))
+    fig = build_figure(read_metrics(run_dir), name=os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
     output = output or os.path.join(run_dir, "report.png")
     tmp = output + ".tmp.png"
     fig.savefig(tmp, dpi=100)
