@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -298,39 +299,35 @@ def _dataclass_type(tp):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _adapter(tp):
+    import pydantic
+
+    return pydantic.TypeAdapter(tp)
+
+
 def _coerce(value: Any, tp, where: str, errors: list[str]):
-    base = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
-    if value is None:
-        if type(None) in typing.get_args(tp):
-            return None
+    """One field's value checked against its annotation by pydantic v2 in strict mode (an int is not a bool, a
+    string is not a number: YAML already typed every value), with one exception: YAML 1.1 reads 1e-5 (no dot) as
+    a string, so a float field takes a string that parses as one."""
+    import pydantic
+
+    if value is None and type(None) not in typing.get_args(tp):
         errors.append(f"{where}: null is not allowed; give a value")
         return None
-    target = base[0]
-    origin = typing.get_origin(target) or target
-    if origin is bool:
-        if isinstance(value, bool):
-            return value
-    elif origin is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif origin is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+    try:
+        return _adapter(tp).validate_python(value, strict=True)
+    except pydantic.ValidationError as exc:
+        if isinstance(value, str) and float in typing.get_args(tp) + (tp,):
             try:
                 return float(value)
             except ValueError:
                 pass
-    elif origin is str:
-        if isinstance(value, str):
-            return value
-    elif origin in (list, dict):
-        if isinstance(value, origin):
-            return value
-    else:
-        return value
-    errors.append(f"{where}: expected {getattr(origin, '__name__', origin)}, got {value!r}")
-    return None
+        base = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union \
+            else [tp]
+        name = getattr(typing.get_origin(base[0]) or base[0], "__name__", str(base[0]))
+        errors.append(f"{where}: expected {name}, got {value!r}")
+        return None
 
 
 def _build(cls, data: dict, where: str, errors: list[str]):
