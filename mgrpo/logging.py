@@ -4,6 +4,7 @@ metrics (global rank 0) writes; the others get a disabled logger."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -115,6 +116,20 @@ def reused_output_problem(cfg) -> list:
             f"folder, continue that run with --resume, or pass --logging.overwrite true to remove its files first"]
 
 
+def warnings_above_bar():
+    """mgrpo's log records (warnings and up) printed above the progress bar, not into it: tqdm's own
+    `logging_redirect_tqdm` on the "mgrpo" logger, with the logger's name in each line. A context manager,
+    entered here; RunLogger.close leaves it."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    logger = logging.getLogger("mgrpo")
+    redirect = logging_redirect_tqdm(loggers=[logger])
+    redirect.__enter__()
+    for handler in logger.handlers:
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    return redirect
+
+
 class RunLogger:
     def __init__(self, cfg, enabled: bool = True, resume_step: int = 0):
         """`resume_step`: the first step of a resumed run; the files are cut back to the steps before it. A fresh
@@ -151,6 +166,7 @@ class RunLogger:
         print(f"mgrpo: outputs go to {os.path.abspath(self.dir)}: {', '.join(outputs)}", file=sys.stderr, flush=True)
         self.bar = tqdm(total=cfg.train.steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True,
                         disable=not g.progress_bar)
+        self._warnings_above_bar = warnings_above_bar()
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -194,6 +210,7 @@ class RunLogger:
     def close(self) -> None:
         if not self.enabled:
             return
+        self._warnings_above_bar.__exit__(None, None, None)
         self.bar.close()
         for sink in self.sinks:
             sink.close()

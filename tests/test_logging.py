@@ -99,3 +99,28 @@ def test_config_completions_and_report_are_written(run_dir):
     assert {x["finish_reason"] for x in rows} <= {"stop", "length"}
     with open(os.path.join(out, "report.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_warnings_print_above_the_progress_bar(tmp_path, capsys):
+    """While a run's bar is up, mgrpo's warnings go through tqdm.write (a line of their own above the bar, not
+    torn into it), named by logger; closing the run gives the handlers back."""
+    import logging
+
+    from tqdm.contrib.logging import _TqdmLoggingHandler
+
+    from mgrpo.config import load_config
+    from mgrpo.logging import RunLogger
+
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
+        "--logging.output_dir", str(tmp_path / "run"), "--logging.tensorboard", "false"], check_files=False)
+    before = list(logging.getLogger("mgrpo").handlers)
+    log = RunLogger(cfg, enabled=True)
+    try:
+        handlers = logging.getLogger("mgrpo").handlers
+        assert [type(h) for h in handlers] == [_TqdmLoggingHandler]
+        capsys.readouterr()
+        logging.getLogger("mgrpo.rewards").warning("reward 'x' failed for 2 samples")
+        assert "mgrpo.rewards: WARNING: reward 'x' failed for 2 samples\n" in capsys.readouterr().err
+    finally:
+        log.close()
+    assert logging.getLogger("mgrpo").handlers == before
