@@ -1,5 +1,5 @@
-"""JSON control calls to rollout servers (stdlib only, no event loop): what the remote engines and the collective
-transports share."""
+"""JSON control calls to rollout servers (httpx, synchronous: no event loop): what the remote engines and the
+collective transports share."""
 from __future__ import annotations
 
 import os
@@ -14,24 +14,27 @@ def http_json(url: str, method: str, path: str, body: dict | None, headers: dict
     """One JSON call to a rollout server (`body` a dict, or bytes sent as they are); any failure is a ServerCallError
     naming it. A body that is not JSON (SGLang's /flush_cache answers text) comes back as {"text": ...}."""
     import json
-    import urllib.error
-    import urllib.request
+
+    import httpx
 
     raw = isinstance(body, (bytes, bytearray))  # a file's bytes (a LoRA adapter), else JSON
-    data = bytes(body) if raw else (json.dumps(body).encode() if body is not None else None)
-    kind = "application/octet-stream" if raw else "application/json"
-    req = urllib.request.Request(url + path, data=data, method=method, headers=dict(
-        headers, **({"Content-Type": kind} if data is not None else {})))
+    content = bytes(body) if raw else (json.dumps(body).encode() if body is not None else None)
+    if content is not None:
+        headers = dict(headers, **{"Content-Type": "application/octet-stream" if raw else "application/json"})
     name = name or url.split("://", 1)[-1]
     try:
-        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
-            raw = resp.read()
-            return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else {"text": raw.decode(errors="replace")}
-    except urllib.error.HTTPError as exc:
-        raise ServerCallError(f"rollout server {name}: {method} {path} -> {exc.code} "
-                              f"{exc.read()[:300].decode(errors='replace')}") from None
-    except (OSError, ValueError) as exc:
-        raise ServerCallError(f"rollout server {name}: {method} {path} failed: {exc}") from None
+        resp = httpx.request(method, url + path, content=content, headers=headers, timeout=timeout,
+                             verify=context if context is not None else True)
+    except httpx.HTTPError as exc:
+        raise ServerCallError(f"rollout server {name}: {method} {path} failed: {exc or type(exc).__name__}") from None
+    if resp.status_code >= 400:
+        raise ServerCallError(f"rollout server {name}: {method} {path} -> {resp.status_code} "
+                              f"{resp.content[:300].decode(errors='replace')}")
+    try:
+        return json.loads(resp.content) if resp.content.strip().startswith((b"{", b"[")) else {
+            "text": resp.content.decode(errors="replace")}
+    except ValueError as exc:
+        raise ServerCallError(f"rollout server {name}: {method} {path}: the answer is not JSON ({exc})") from None
 
 
 def tls_context(ca_file: str = ""):

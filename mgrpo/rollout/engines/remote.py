@@ -141,14 +141,13 @@ class RemoteEngine:
 
     # -- generation ------------------------------------------------------------------------------------------------
     async def generate(self, requests: list, sampling: SamplingParams) -> list:
-        import aiohttp
+        import httpx
 
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=self.connect_timeout_s)
-        limit = self.max_inflight * len(self.replicas)
-        async with aiohttp.ClientSession(timeout=timeout, headers=self.headers,
-                                         connector=aiohttp.TCPConnector(limit=limit, ssl=self.ssl)) as session:
+        timeout = httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s)
+        limits = httpx.Limits(max_connections=self.max_inflight * len(self.replicas), max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=timeout, headers=self.headers, limits=limits, verify=self.ssl) as client:
             cond = asyncio.Condition()
-            return list(await asyncio.gather(*(self._one(session, cond, req, sampling) for req in requests)))
+            return list(await asyncio.gather(*(self._one(client, cond, req, sampling) for req in requests)))
 
     async def _pick(self, cond: asyncio.Condition, avoid: set) -> Replica:
         async with cond:
@@ -169,42 +168,46 @@ class RemoteEngine:
             replica.inflight -= 1
             cond.notify_all()
 
-    async def _one(self, session, cond, req, sampling: SamplingParams) -> GenerationResponse:
-        import aiohttp
+    async def _one(self, client, cond, req, sampling: SamplingParams) -> GenerationResponse:
+        """One request: the least-loaded serving replica not tried yet; a timeout, a 5xx or a connection error is
+        retried on another after a backoff (tenacity: backoff_s x 2^attempt, retries + 1 attempts in all)."""
+        import httpx
+        from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
 
         body = self.request_body(req, sampling)
-        tried, last = set(), ""
-        for attempt in range(self.retries + 1):
-            replica = await self._pick(cond, tried)
-            tried.add(replica.name)
-            try:
-                async with session.post(replica.url + self.generate_path, json=body) as resp:
-                    if resp.status >= 500:
-                        raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
-                                                          message=(await resp.text())[:200])
-                    if resp.status != 200:  # 4xx: our request is wrong; retrying elsewhere would not help
-                        raise RemoteEngineError(f"rollout server {replica.name}: {self.generate_path} -> "
-                                                f"{resp.status} {(await resp.text())[:300]}")
-                    data = await resp.json()
-                    headers = resp.headers
-                replica.served, replica.consecutive = replica.served + 1, 0
-                return self.parse_response(data, headers, replica.name)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                what = f"timed out after {self.request_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError) \
-                    else f"{type(exc).__name__}: {exc}"
-                last = f"{replica.name}: {what}"
-                replica.consecutive += 1
-                # gone (nothing listens) -> out at once; slow or 5xx (it may only be queueing) -> after N in a row
-                if isinstance(exc, aiohttp.ClientConnectorError) or \
-                        replica.consecutive >= self.max_consecutive_failures:
-                    self.mark_down(replica, what)
-                if attempt < self.retries:
-                    await asyncio.sleep(self.backoff_s * (2 ** attempt))
-            finally:
-                await self._release(cond, replica)
+        tried, last = set(), [""]
+        attempts = AsyncRetrying(stop=stop_after_attempt(self.retries + 1), retry=retry_if_exception_type(_Retry),
+                                 wait=wait_exponential(multiplier=self.backoff_s, max=60.0))
+        try:
+            async for attempt in attempts:
+                with attempt:
+                    replica = await self._pick(cond, tried)
+                    tried.add(replica.name)
+                    try:
+                        resp = await client.post(replica.url + self.generate_path, json=body)
+                        if resp.status_code >= 500:
+                            raise _Retry(f"{resp.status_code} {resp.text[:200]}")
+                        if resp.status_code != 200:  # 4xx: our request is wrong; retrying elsewhere would not help
+                            raise RemoteEngineError(f"rollout server {replica.name}: {self.generate_path} -> "
+                                                    f"{resp.status_code} {resp.text[:300]}")
+                        replica.served, replica.consecutive = replica.served + 1, 0
+                        return self.parse_response(resp.json(), resp.headers, replica.name)
+                    except (_Retry, httpx.TransportError, OSError) as exc:
+                        what = f"timed out after {self.request_timeout_s:g} s" if isinstance(
+                            exc, httpx.TimeoutException) else f"{type(exc).__name__}: {exc}"
+                        last[0] = f"{replica.name}: {what}"
+                        replica.consecutive += 1
+                        # gone (nothing listens) -> out at once; slow or 5xx (it may only be queueing) -> after N
+                        if isinstance(exc, httpx.ConnectError) or replica.consecutive >= self.max_consecutive_failures:
+                            self.mark_down(replica, what)
+                        raise _Retry(what) from None
+                    finally:
+                        await self._release(cond, replica)
+        except (_Retry, RetryError):
+            pass
         raise self.no_replica_left() if not self.serving() else RemoteEngineError(
             f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts); last: "
-            f"{last}")
+            f"{last[0]}")
 
     # -- the dialect: vLLM's /v1/completions behind mgrpo's server (engines/sglang.py has SGLang's /generate) ------
     generate_path = "/v1/completions"
@@ -290,12 +293,19 @@ class RemoteEngine:
         pass
 
 
-def _health(url: str, timeout: float, context=None) -> None:
-    import urllib.request
+class _Retry(Exception):
+    """A generation attempt worth another replica: a timeout, a 5xx, a connection error."""
 
-    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout, context=context) as resp:
-        if resp.status != 200:
-            raise OSError(f"/health -> {resp.status}")
+
+def _health(url: str, timeout: float, context=None) -> None:
+    import httpx
+
+    try:
+        resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout, verify=context if context is not None else True)
+    except httpx.HTTPError as exc:
+        raise OSError(f"/health: {exc or type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise OSError(f"/health -> {resp.status_code}")
 
 
 def _response(data: dict, version: int, server: str) -> GenerationResponse:

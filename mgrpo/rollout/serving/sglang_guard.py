@@ -227,7 +227,8 @@ def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 180
     import subprocess
     import tempfile
     import time
-    import urllib.request
+
+    import httpx
 
     from mgrpo.parallel.distributed import free_port
 
@@ -246,10 +247,9 @@ def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 180
             raise RuntimeError(f"SGLang exited ({proc.returncode}) before serving; the end of its log "
                                f"({log.name}):\n{log.read()[-3000:]}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
             pass
         time.sleep(1.0)
     proc.kill()
@@ -257,9 +257,12 @@ def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 180
 
 
 def server_info(upstream: str, admin_key: str, timeout: float = 10.0) -> dict:
-    import urllib.request
+    import httpx
 
-    req = urllib.request.Request(upstream.rstrip("/") + "/get_server_info",
-                                 headers={"Authorization": f"Bearer {admin_key}"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        resp = httpx.get(upstream.rstrip("/") + "/get_server_info", headers={"Authorization": f"Bearer {admin_key}"},
+                         timeout=timeout)
+        resp.raise_for_status()
+        return resp.json()
+    except (httpx.HTTPError, ValueError) as exc:  # OSError: what the server's launcher reports in one line
+        raise OSError(f"{upstream}/get_server_info: {exc or type(exc).__name__}") from None
