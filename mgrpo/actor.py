@@ -77,7 +77,7 @@ class Actor:
                                   params_dtype=self.config.params_dtype,
                                   use_distributed_optimizer=t.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks, use_gloo_process_groups=gloo_groups_created())
-        self.scheduler = make_scheduler(self.optimizer, t)
+        self.scheduler = make_lr_schedule(self.optimizer, t)
 
     def _logprobs(self, mb, logits, entropy: bool = False):
         """Per-token logprobs (and entropies) [B, L]; a packed row's are scattered back to the padded layout."""
@@ -194,7 +194,7 @@ class Actor:
             for c in self.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
-        if self.scheduler is not None:  # a skipped step keeps its place in the schedule (make_scheduler)
+        if self.scheduler is not None:  # a skipped step keeps its place in the schedule (make_lr_schedule)
             self.scheduler.step(increment=1)
         out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
                "skipped_steps": self.skipped_steps, "lr": lr}
@@ -260,7 +260,7 @@ def optimizer_steps(t, rollout_steps: int) -> int:
     return rollout_steps * t.steps_per_generation * t.num_iterations
 
 
-def make_scheduler(optimizer, t, total_steps: int | None = None):
+def make_lr_schedule(optimizer, t, total_steps: int | None = None):
     """megatron's OptimizerParamScheduler over every optimizer step of the run, stepped once per optimizer step.
 
     Optimizer step k (1-based) of a warmup over W steps trains at lr * k / W (so the W-th reaches lr), then the

@@ -37,14 +37,14 @@ def folder_problem(field: str, path: str) -> list:
 def check_algorithm_names(a) -> list:
     from mgrpo.loss.kl import kl_estimator_names
     from mgrpo.loss.presets import AGGREGATIONS, PRESETS
-    from mgrpo.loss.registry import registered
+    from mgrpo.loss.registry import ADVANTAGES, POLICY_LOSSES
     from mgrpo.loss.rollout_correction import ALIASES as IS_ALIASES
     from mgrpo.loss.rollout_correction import MODES as IS_MODES
 
     e = []
     checks = [("loss_type", a.loss_type, list(PRESETS), True),
-              ("advantage", a.advantage, registered("advantage"), False),
-              ("policy_loss", a.policy_loss, registered("policy_loss"), False),
+              ("advantage", a.advantage, ADVANTAGES.names(), False),
+              ("policy_loss", a.policy_loss, POLICY_LOSSES.names(), False),
               ("aggregation", a.aggregation, list(AGGREGATIONS), True),
               ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
               ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]

@@ -127,8 +127,7 @@ def test_a_plugin_cannot_silently_replace_a_builtin_reward(tmp_path, model, chec
                       "def mine(samples, tokenizer, **_):\n    return [1.0] * len(samples)\n")
     one_line(check_only("--config", TINY, "--model.path", model, "--logging.output_dir", str(tmp_path / "run"),
                         "--external-plugins", str(plugin)),
-             "reward 'token_fraction' is already registered by mgrpo.rewards.registry.token_fraction; register "
-             "yours under another name, or with register_reward('token_fraction', override=True)")
+             "reward 'token_fraction' is registered twice: at mgrpo/rewards/registry.py:")
     assert not (tmp_path / "run").exists()
 
 

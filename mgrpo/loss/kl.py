@@ -29,31 +29,27 @@ from typing import Callable, Optional
 
 import torch
 
+from mgrpo.registry import Registry
+
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
-_KL: dict[str, Callable] = {}
-_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_ESTIMATORS = Registry("KL estimator", builtins=("mgrpo.loss.kl",),
+                         aliases={"kl": "k1", "mse": "k2", "low_var_kl": "k3"})
 
 
-def register_kl(name: str):
-    def deco(fn):
-        _KL[name] = fn
-        return fn
-    return deco
+def register_kl(name: str, override: bool = False):
+    return KL_ESTIMATORS.register(name, override=override)
 
 
 def kl_penalty(name: str) -> Callable:
     """``fn(logp, ref_logp) -> per_token [B, L]`` (not masked). Names: k1, k2, k3 (aliases kl, mse, low_var_kl)."""
-    key = _ALIASES.get(name, name)
-    if key not in _KL:
-        raise KeyError(f"KL estimator {name!r} is not registered; known: {', '.join(sorted(set(_KL) | set(_ALIASES)))}")
-    return _KL[key]
+    return KL_ESTIMATORS.lookup(name)
 
 
 def kl_estimator_names() -> list:
     """Every name `kl_penalty` accepts, aliases included."""
-    return sorted(_KL) + sorted(_ALIASES)
+    return KL_ESTIMATORS.names()
 
 
 @register_kl("k1")

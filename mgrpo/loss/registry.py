@@ -9,46 +9,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-_POLICY: dict[str, Callable] = {}
-_ADVANTAGE: dict[str, Callable] = {}
+from mgrpo.registry import Registry
+
+POLICY_LOSSES = Registry("policy loss", builtins=("mgrpo.loss.policy",))
+ADVANTAGES = Registry("advantage estimator", builtins=("mgrpo.loss.advantages",))
 
 
-def _register(table, kind):
-    def outer(name: str):
-        def deco(fn):
-            table[name] = fn
-            return fn
-        return deco
-    return outer
+def register_policy_loss(name: str, override: bool = False):
+    return POLICY_LOSSES.register(name, override=override)
 
 
-register_policy_loss = _register(_POLICY, "policy loss")
-register_advantage = _register(_ADVANTAGE, "advantage")
-
-
-def _load_builtins() -> None:
-    import importlib
-
-    for module in ("mgrpo.loss.advantages", "mgrpo.loss.policy"):  # built-ins register on import
-        importlib.import_module(module)
-
-
-def _get(table, kind, name):
-    _load_builtins()
-    if name not in table:
-        raise KeyError(f"{kind} {name!r} is not registered; known: {', '.join(sorted(table))}")
-    return table[name]
+def register_advantage(name: str, override: bool = False):
+    return ADVANTAGES.register(name, override=override)
 
 
 def policy_loss(name: str) -> Callable:
-    return _get(_POLICY, "policy loss", name)
+    return POLICY_LOSSES.lookup(name, "algorithm.policy_loss")
 
 
 def advantages(name: str) -> Callable:
-    return _get(_ADVANTAGE, "advantage", name)
-
-
-def registered(kind: str) -> list:
-    """The names registered as `kind` ("policy_loss" or "advantage"), built-ins included."""
-    _load_builtins()
-    return sorted({"policy_loss": _POLICY, "advantage": _ADVANTAGE}[kind])
+    return ADVANTAGES.lookup(name, "algorithm.advantage")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from mgrpo.registry import Registry
+
 
 class ModelConfigError(ValueError):
     """A model folder or config.json we cannot use; the message names the file and the fix. (Defined here, the
@@ -39,27 +41,21 @@ class Family:
     moe: Optional[Callable[[dict], MoeSpec]] = None  # config.json -> the experts (None: a dense family)
 
 
-_FAMILIES: dict[str, Family] = {}
+FAMILIES = Registry("model family", builtins=("mgrpo.models.llama", "mgrpo.models.qwen2", "mgrpo.models.qwen3",
+                                              "mgrpo.models.qwen3_moe"))
 
 
-def register_family(family: Family) -> Family:
-    _FAMILIES[family.name] = family
-    return family
+def register_family(family: Family, override: bool = False) -> Family:
+    return FAMILIES.add(family.name, family, override)
 
 
 def get_family(name: str) -> Family:
-    _load_builtin()
-    return _FAMILIES[name]
+    return FAMILIES.lookup(name)
 
 
 def family_for_architecture(arch: str, where: str = "config.json") -> Family:
-    _load_builtin()
-    for fam in _FAMILIES.values():
+    for fam in FAMILIES.values():
         if arch in fam.architectures:
             return fam
-    known = sorted(a for f in _FAMILIES.values() for a in f.architectures)
+    known = sorted(a for f in FAMILIES.values() for a in f.architectures)
     raise ModelConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(known)}")
-
-
-def _load_builtin() -> None:
-    from mgrpo.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (each registers itself)

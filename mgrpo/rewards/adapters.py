@@ -32,7 +32,8 @@ def register_orm(name: str, orm):
             messages = [s.messages for s in samples]
             return list(instance(completions, messages=messages, **{**_columns(samples), **kwargs}))
 
-    reward.__name__ = f"orm_{name}"
+    reward.__name__ = f"orm_{name}"  # the ORM's class names it: two ORMs under one name are a duplicate
+    reward.__module__, reward.__qualname__ = type(instance).__module__, type(instance).__qualname__
     register_reward(name)(reward)
     return orm
 

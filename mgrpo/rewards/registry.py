@@ -33,6 +33,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from mgrpo.registry import Registry, where_defined
 from mgrpo.stopping import within
 
 log = logging.getLogger("mgrpo.rewards")
@@ -62,7 +63,7 @@ class RewardSpec:
         return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
 
 
-_REWARDS: dict[str, RewardSpec] = {}
+REWARDS = Registry("reward", builtins=("mgrpo.rewards.registry", "mgrpo.rewards.outcome"))
 
 
 def register_reward(name: str, per_sample: bool = False, isolated: bool = False, override: bool = False):
@@ -73,40 +74,17 @@ def register_reward(name: str, per_sample: bool = False, isolated: bool = False,
         raise ValueError(f"reward {name!r}: isolated=True needs per_sample=True (one call per sample)")
 
     def deco(fn):
-        if not getattr(fn, "__module__", "").startswith("mgrpo.rewards"):
-            _builtins()  # a plugin's name meets the built-ins now, not when they load later
-        old = _REWARDS.get(name)
-        if old is not None and not override and _origin(old.fn) != _origin(fn):
-            raise ValueError(f"reward {name!r} is already registered by {_origin(old.fn)}; register yours under "
-                             f"another name, or with register_reward({name!r}, override=True) to replace it")
-        _REWARDS[name] = RewardSpec(fn, per_sample, isolated)
+        REWARDS.add(name, RewardSpec(fn, per_sample, isolated), override, where=where_defined(fn))
         return fn
     return deco
 
 
-def _origin(fn) -> str:
-    """Where a function was defined (the same function re-registered, e.g. a plugin imported again, is fine)."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def reward_names() -> list:
-    _builtins()
-    return sorted(_REWARDS)
-
-
-def _builtins() -> None:
-    import mgrpo.rewards.outcome  # noqa: F401  (accuracy, format, react_format, cosine, repetition, soft_overlong)
+    return REWARDS.names()
 
 
 def get_spec(name: str) -> RewardSpec:
-    _builtins()
-    if name not in _REWARDS:
-        raise KeyError(f"reward {name!r} is not registered; known: {', '.join(reward_names())}")
-    return _REWARDS[name]
-
-
-def get_reward(name: str) -> Callable:
-    return get_spec(name).fn
+    return REWARDS.lookup(name)
 
 
 def _target_ids(tokenizer, target_chars: str) -> set:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
 from mgrpo.rollout.types import SamplingParams
+from mgrpo.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -34,35 +35,23 @@ class Engine(Protocol):
     def health(self) -> dict: ...
 
 
-_ENGINES: dict[str, Callable] = {}
+# factory(cfg, model_dir, tokenizer) -> Engine; vllm and SGLang themselves are imported by their own processes
+ENGINES = Registry("rollout engine", builtins=("mgrpo.rollout.engines.hf", "mgrpo.rollout.engines.vllm",
+                                               "mgrpo.rollout.engines.remote", "mgrpo.rollout.engines.sglang"))
 
 
-def register_engine(name: str):
+def register_engine(name: str, override: bool = False):
     """`@register_engine("name")` on `factory(cfg, model_dir, tokenizer) -> Engine`."""
-    def deco(factory):
-        _ENGINES[name] = factory
-        return factory
-    return deco
+    return ENGINES.register(name, override=override)
 
 
 def engine_names() -> list:
-    _builtins()
-    return sorted(_ENGINES)
-
-
-def _builtins():
-    import mgrpo.rollout.engines.hf  # noqa: F401  (registers "hf")
-    import mgrpo.rollout.engines.vllm  # noqa: F401  (registers "vllm"; vllm itself is imported by its process)
-    import mgrpo.rollout.engines.remote  # noqa: F401  (registers "remote")
-    import mgrpo.rollout.engines.sglang  # noqa: F401  (registers "sglang"; SGLang itself runs on the servers)
+    return ENGINES.names()
 
 
 def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:
-    _builtins()
     name = cfg.rollout.engine
-    if name not in _ENGINES:
-        raise KeyError(f"rollout.engine={name!r} is not registered; known: {', '.join(sorted(_ENGINES))}")
-    engine = _ENGINES[name](cfg, model_dir, tokenizer)
+    engine = ENGINES.lookup(name, "rollout.engine")(cfg, model_dir, tokenizer)
     engine.name = f"{name}#{index}"
     return engine
 

@@ -94,9 +94,9 @@ class RolloutManager:
         """`rollout.scheduler`, made once per engine owner (it may hold state across trajectories)."""
         if getattr(self, "_scheduler", None) is None:
             from mgrpo.schedulers.driver import context_limit
-            from mgrpo.schedulers.registry import make_scheduler
+            from mgrpo.schedulers.registry import make_rollout_scheduler
 
-            self._scheduler = make_scheduler(self.cfg, self.tokenizer, context_limit(self.cfg))
+            self._scheduler = make_rollout_scheduler(self.cfg, self.tokenizer, context_limit(self.cfg))
         return self._scheduler
 
     def score_options(self):

@@ -4,44 +4,31 @@ from __future__ import annotations
 
 from typing import Callable
 
-multi_turns: dict = {}  # name -> scheduler class (ms-swift's registry name)
-envs: dict = {}  # name -> Env class
+from mgrpo.registry import Registry
+
+# ms-swift's registry names: `multi_turns["name"] = cls` and `envs["name"] = cls` work as there
+multi_turns = Registry("scheduler", builtins=("mgrpo.schedulers.base", "mgrpo.schedulers.builtin", "mgrpo.schedulers.gym",
+                                              "mgrpo.schedulers.tool_call", "mgrpo.schedulers.math_tips"))
+envs = Registry("environment", builtins=("mgrpo.schedulers.builtin", "mgrpo.schedulers.gym"))
 
 
-def _registrar(table: dict) -> Callable:
-    def register(*names: str) -> Callable:
-        def deco(cls):
-            for name in names:
-                table[name] = cls
-            return cls
-        return deco
-    return register
+def register_scheduler(*names: str, override: bool = False) -> Callable:
+    """@register_scheduler("name", "alias") on a scheduler class."""
+    return multi_turns.register(*names, override=override)
 
 
-register_scheduler = _registrar(multi_turns)  # @register_scheduler("name", "alias") on a scheduler class
-register_env = _registrar(envs)  # @register_env("name") on an Env class
-
-
-def _builtins() -> None:
-    import mgrpo.schedulers.builtin  # noqa: F401  (registers single_turn, tool_call, math_tips, gym)
+def register_env(*names: str, override: bool = False) -> Callable:
+    """@register_env("name") on an Env class."""
+    return envs.register(*names, override=override)
 
 
 def scheduler_names() -> list:
-    _builtins()
-    return sorted(multi_turns)
+    return multi_turns.names()
 
 
-def env_names() -> list:
-    _builtins()
-    return sorted(envs)
-
-
-def make_scheduler(cfg, tokenizer, max_total_tokens: int | None):
+def make_rollout_scheduler(cfg, tokenizer, max_total_tokens: int | None):
     """The configured scheduler; `rollout.scheduler_kwargs` go to its constructor (e.g. gym_env, tips_prompt)."""
-    _builtins()
     r = cfg.rollout
-    if r.scheduler not in multi_turns:
-        raise KeyError(f"rollout.scheduler={r.scheduler!r} is not registered; known: {', '.join(scheduler_names())}")
     kwargs = dict(r.scheduler_kwargs or {})
-    return multi_turns[r.scheduler](None, r.max_turns, tokenizer=tokenizer, max_total_tokens=max_total_tokens,
+    return multi_turns.lookup(r.scheduler, "rollout.scheduler")(None, r.max_turns, tokenizer=tokenizer, max_total_tokens=max_total_tokens,
                                     **kwargs)

@@ -8,7 +8,7 @@ import torch
 
 import mgrpo.loss.policy  # noqa: F401  (registers the built-in policy losses)
 from mgrpo.config import AlgorithmConfig
-from mgrpo.loss.registry import _POLICY, policy_loss
+from mgrpo.loss.registry import POLICY_LOSSES, policy_loss
 from mgrpo.loss.rollout_correction import MODES, rollout_is_weights_from_cfg, rollout_offpolicy_metrics
 
 B, L, V = 3, 7, 50
@@ -22,7 +22,7 @@ def seq_sum(x):
     return x.sum(-1)
 
 
-@pytest.mark.parametrize("name", sorted(_POLICY))
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_policy_losses_stay_on_the_device(name):
     alg = dataclasses.replace(AlgorithmConfig(), policy_loss=name, kl_coef=0.1, clip_ratio_c=3.0)
     logp, old, adv, mask, ref = meta(B, L), meta(B, L), meta(B, L), meta(B, L), meta(B, L)
