@@ -13,6 +13,7 @@ colocated engine on the trainer's own cores gains nothing from overlap (both hal
 Ends with one line: result: sync_s=... one_step_off_s=... async_s=... max_s=... sum_s=... one_step_off_vs_max=...
 (per-step medians after warm-up; one_step_off_vs_max = one_step_off_s / max_s, the goal is <= 1.15)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,25 +31,62 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from weight_sync import MODELS, TOKEN, start_server  # noqa: E402  (the ~100M model and the server of that bench)
 
-MODES = [("sync", []), ("one_step_off", ["--rollout.mode", "one_step_off"]),
-         ("async", ["--rollout.mode", "async", "--rollout.max_staleness", "2"])]
+MODES = [
+    ("sync", []),
+    ("one_step_off", ["--rollout.mode", "one_step_off"]),
+    ("async", ["--rollout.mode", "async", "--rollout.max_staleness", "2"]),
+]
 
 
 def pinned() -> dict:
     """One thread on one core: what a process sees of the other emulated machine is the loopback network."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                MGRPO_SERVER_TOKEN=TOKEN)
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        MGRPO_SERVER_TOKEN=TOKEN,
+    )
 
 
 def train(mode_args: list, model: str, url: str, out: str, steps: int, max_tokens: int) -> list:
     """One trainer run pinned to core 0; its metrics.jsonl rows."""
-    cmd = ["taskset", "-c", "0", sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"),
-           "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", model,
-           "--rollout.engine", "remote", "--rollout.servers", json.dumps([url]), "--rollout.remote.take_over", "true",
-           "--rollout.max_tokens", str(max_tokens), "--rollout.n", "4", "--rollout.prompts_per_step", "8",
-           "--train.steps", str(steps), "--train.micro_batch_size", "8", "--logging.output_dir", out,
-           "--logging.progress_bar", "false", "--logging.report", "false", "--logging.tensorboard", "false",
-           *mode_args]
+    cmd = [
+        "taskset",
+        "-c",
+        "0",
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--model.path",
+        model,
+        "--rollout.engine",
+        "remote",
+        "--rollout.servers",
+        json.dumps([url]),
+        "--rollout.remote.take_over",
+        "true",
+        "--rollout.max_tokens",
+        str(max_tokens),
+        "--rollout.n",
+        "4",
+        "--rollout.prompts_per_step",
+        "8",
+        "--train.steps",
+        str(steps),
+        "--train.micro_batch_size",
+        "8",
+        "--logging.output_dir",
+        out,
+        "--logging.progress_bar",
+        "false",
+        "--logging.report",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        *mode_args,
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=pinned(), capture_output=True, text=True, timeout=3600)
     if r.returncode:
         sys.exit(f"trainer failed ({' '.join(mode_args) or 'sync'}):\n{r.stderr[-3000:]}")
@@ -83,8 +121,9 @@ def main() -> None:
     runs = {}
     try:
         for name, mode_args in MODES:
-            runs[name] = train(mode_args, model, f"http://127.0.0.1:{port}", os.path.join(work, name), args.steps,
-                               args.max_tokens)
+            runs[name] = train(
+                mode_args, model, f"http://127.0.0.1:{port}", os.path.join(work, name), args.steps, args.max_tokens
+            )
             print(f"{name}: done ({len(runs[name])} steps)", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -94,18 +133,26 @@ def main() -> None:
     train_s = median(sync, lambda r: r["timing/step"] - r["timing/rollout"], w)
     max_s, sum_s = max(rollout_s, train_s), rollout_s + train_s
     step = {name: median(rows, lambda r: r["timing/step"], w) for name, rows in runs.items()}
-    print(f"\nper-step medians over steps {w}..{args.steps - 1}, {args.model} model, trainer on core 0, server on core 1")
-    print(f"{'':14} {'step s':>8} {'vs max':>7} {'rollout/wait':>13} {'engine idle':>12} {'staleness':>10} {'reward':>7}")
+    print(
+        f"\nper-step medians over steps {w}..{args.steps - 1}, {args.model} model, trainer on core 0, server on core 1"
+    )
+    print(
+        f"{'':14} {'step s':>8} {'vs max':>7} {'rollout/wait':>13} {'engine idle':>12} {'staleness':>10} {'reward':>7}"
+    )
     for name, rows in runs.items():
         wait = median(rows, lambda r: r.get("timing/wait_rollout", r["timing/rollout"]), w)
         idle = median(rows, lambda r: r.get("timing/wait_train", r["timing/step"] - r["timing/rollout"]), w)
         stale = max(r.get("async/staleness_max", 0) for r in rows)
-        print(f"{name:14} {step[name]:8.2f} {step[name] / max_s:7.2f} {wait:13.2f} {idle:12.2f} {stale:10d} "
-              f"{rows[-1]['reward/mean']:7.3f}")
+        print(
+            f"{name:14} {step[name]:8.2f} {step[name] / max_s:7.2f} {wait:13.2f} {idle:12.2f} {stale:10d} "
+            f"{rows[-1]['reward/mean']:7.3f}"
+        )
     print(f"{'max(R, T)':14} {max_s:8.2f} {1.0:7.2f}   (R = rollout {rollout_s:.2f} s, T = the rest {train_s:.2f} s)")
     print(f"{'R + T':14} {sum_s:8.2f} {sum_s / max_s:7.2f}")
-    print(f"result: sync_s={step['sync']:.3f} one_step_off_s={step['one_step_off']:.3f} async_s={step['async']:.3f} "
-          f"max_s={max_s:.3f} sum_s={sum_s:.3f} one_step_off_vs_max={step['one_step_off'] / max_s:.3f}")
+    print(
+        f"result: sync_s={step['sync']:.3f} one_step_off_s={step['one_step_off']:.3f} async_s={step['async']:.3f} "
+        f"max_s={max_s:.3f} sum_s={sum_s:.3f} one_step_off_vs_max={step['one_step_off'] / max_s:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ The last printed line is
 ``result: fwd_mem_ratio=A fwdbwd_mem_ratio=B time_ratio=C`` (fused / naive, vocab 152064
 (``--vocab``), fp32, TP1, logprob + entropy; time_ratio is forward+backward).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,7 +97,7 @@ def run_step(impl, entropy, backward, x, targets, w1, w2, group, chunk):
     loss = (w1 * lp).sum()
     if entropy:
         loss = loss + (w2 * ent).sum()
-    grad, = torch.autograd.grad(loss, x)
+    (grad,) = torch.autograd.grad(loss, x)
     return lp.detach(), (ent.detach() if entropy else None), grad
 
 
@@ -119,16 +120,16 @@ def peak_extra_bytes(call):
     """(peak extra bytes excluding the returned input-gradient, call's result)."""
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
-        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                      profile_memory=True) as prof:
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = call()
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
     events.sort(key=lambda e: e["ts"])
-    mem = [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in events
-           if int(e["args"].get("Device Type", 0)) == 0]
+    mem = [
+        (int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in events if int(e["args"].get("Device Type", 0)) == 0
+    ]
     grad = out[2]
     # allocations still alive at the end, to find the one holding the gradient
     alive = {}
@@ -172,8 +173,10 @@ def bench_setting(tokens, vocab, dtype, group, reps, chunk, seed=0):
     for entropy in (False, True):
         outs = {}
         for backward in (False, True):
-            calls = {impl: (lambda impl=impl: run_step(impl, entropy, backward, x, targets, w1,
-                                                       w2, group, chunk)) for impl in impls}
+            calls = {
+                impl: (lambda impl=impl: run_step(impl, entropy, backward, x, targets, w1, w2, group, chunk))
+                for impl in impls
+            }
             peaks, times = {}, {impl: [] for impl in impls}
             for impl in impls:  # the profiled call doubles as the warm-up
                 peaks[impl], out = peak_extra_bytes(calls[impl])
@@ -190,10 +193,17 @@ def bench_setting(tokens, vocab, dtype, group, reps, chunk, seed=0):
                     del out
             gc.collect()
             for impl in impls:
-                rows.append(dict(tp=world, dtype=str(dtype).replace("torch.", ""),
-                                 what="logprob+entropy" if entropy else "logprob",
-                                 mode="fwd+bwd" if backward else "fwd", impl=impl,
-                                 peak_bytes=peaks[impl], time_s=statistics.median(times[impl])))
+                rows.append(
+                    dict(
+                        tp=world,
+                        dtype=str(dtype).replace("torch.", ""),
+                        what="logprob+entropy" if entropy else "logprob",
+                        mode="fwd+bwd" if backward else "fwd",
+                        impl=impl,
+                        peak_bytes=peaks[impl],
+                        time_s=statistics.median(times[impl]),
+                    )
+                )
         # sanity: fused and naive agree
         diff = float((outs["fused"][0] - outs["naive"][0]).abs().max())
         if entropy:
@@ -210,12 +220,14 @@ def _free_port():
 
 def _tp_worker(rank, world, port, out_path, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=1800)
+    )
     rows = []
     for dtype in args["dtypes"]:
-        rows += bench_setting(args["tokens"], args["vocab"], getattr(torch, dtype),
-                              dist.group.WORLD, args["reps"], args["chunk"])
+        rows += bench_setting(
+            args["tokens"], args["vocab"], getattr(torch, dtype), dist.group.WORLD, args["reps"], args["chunk"]
+        )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -228,19 +240,23 @@ def print_table(rows):
     by = {}
     for r in rows:
         by.setdefault((r["tp"], r["dtype"], r["what"], r["mode"]), {})[r["impl"]] = r
-    hdr = (f"{'tp':>2} {'dtype':>8} {'what':>16} {'mode':>7} | {'naive MiB':>9} "
-           f"{'fused MiB':>9} {'mem f/n':>7} | {'naive s':>8} {'fused s':>8} {'time f/n':>8}"
-           f" | {'max|f-n|':>8}")
+    hdr = (
+        f"{'tp':>2} {'dtype':>8} {'what':>16} {'mode':>7} | {'naive MiB':>9} "
+        f"{'fused MiB':>9} {'mem f/n':>7} | {'naive s':>8} {'fused s':>8} {'time f/n':>8}"
+        f" | {'max|f-n|':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for key in sorted(by, key=lambda k: (k[0], k[1] != "float32", k[2], k[3])):
         n, f = by[key]["naive"], by[key]["fused"]
         diff = f.get("max_abs_diff")
-        print(f"{key[0]:>2} {key[1]:>8} {key[2]:>16} {key[3]:>7} | "
-              f"{n['peak_bytes'] / MiB:9.1f} {f['peak_bytes'] / MiB:9.1f} "
-              f"{f['peak_bytes'] / max(n['peak_bytes'], 1):7.3f} | "
-              f"{n['time_s']:8.3f} {f['time_s']:8.3f} {f['time_s'] / n['time_s']:8.3f} | "
-              + (f"{diff:8.1e}" if diff is not None else f"{'':>8}"))
+        print(
+            f"{key[0]:>2} {key[1]:>8} {key[2]:>16} {key[3]:>7} | "
+            f"{n['peak_bytes'] / MiB:9.1f} {f['peak_bytes'] / MiB:9.1f} "
+            f"{f['peak_bytes'] / max(n['peak_bytes'], 1):7.3f} | "
+            f"{n['time_s']:8.3f} {f['time_s']:8.3f} {f['time_s'] / n['time_s']:8.3f} | "
+            + (f"{diff:8.1e}" if diff is not None else f"{'':>8}")
+        )
     return by
 
 
@@ -258,22 +274,22 @@ def main():
         args.tokens, args.reps = 512, 1
     dtypes = args.dtypes.split(",")
     tps = [int(t) for t in args.tp.split(",")]
-    print(f"vocab={args.vocab} tokens={args.tokens} reps={args.reps} chunk={args.chunk} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}", flush=True)
+    print(
+        f"vocab={args.vocab} tokens={args.tokens} reps={args.reps} chunk={args.chunk} "
+        f"threads={torch.get_num_threads()} torch={torch.__version__}",
+        flush=True,
+    )
     rows = []
     t0 = time.perf_counter()
     if 1 in tps:
         for dtype in dtypes:
-            rows += bench_setting(args.tokens, args.vocab, getattr(torch, dtype), None,
-                                  args.reps, args.chunk)
+            rows += bench_setting(args.tokens, args.vocab, getattr(torch, dtype), None, args.reps, args.chunk)
             print(f"  done tp=1 {dtype} ({time.perf_counter() - t0:.0f}s)", flush=True)
     for world in [t for t in tps if t > 1]:
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "rows.json")
-            wargs = dict(tokens=args.tokens, vocab=args.vocab, reps=args.reps,
-                         chunk=args.chunk, dtypes=dtypes)
-            mp.spawn(_tp_worker, args=(world, _free_port(), out_path, wargs), nprocs=world,
-                     join=True)
+            wargs = dict(tokens=args.tokens, vocab=args.vocab, reps=args.reps, chunk=args.chunk, dtypes=dtypes)
+            mp.spawn(_tp_worker, args=(world, _free_port(), out_path, wargs), nprocs=world, join=True)
             with open(out_path) as f:
                 rows += json.load(f)
         print(f"  done tp={world} ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -284,8 +300,10 @@ def main():
         fwd = by[key_f]["fused"]["peak_bytes"] / by[key_f]["naive"]["peak_bytes"]
         fb = by[key_b]["fused"]["peak_bytes"] / by[key_b]["naive"]["peak_bytes"]
         tr = by[key_b]["fused"]["time_s"] / by[key_b]["naive"]["time_s"]
-        print(f"\ntotal {time.perf_counter() - t0:.0f}s; goals: fwd_mem_ratio <= 0.25, "
-              f"fwdbwd_mem_ratio <= 0.5, time_ratio <= 1.25")
+        print(
+            f"\ntotal {time.perf_counter() - t0:.0f}s; goals: fwd_mem_ratio <= 0.25, "
+            f"fwdbwd_mem_ratio <= 0.5, time_ratio <= 1.25"
+        )
         print(f"result: fwd_mem_ratio={fwd:.4f} fwdbwd_mem_ratio={fb:.4f} time_ratio={tr:.3f}")
 
 

@@ -7,6 +7,7 @@ the colocated vLLM engine (`TurnClient` picks coalescing for HF and one call per
 
 Ends with `result: hf_coalesced_speedup=X vllm_coalesced_speedup=Y vllm_vs_hf=Z vllm_peak_inflight=P ...`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,16 @@ def run(engine, tok, n: int, bound: int, coalesce: bool) -> tuple:
     sch = multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number")
     sch.infer_engine = client = TurnClient(engine, tok, 600, coalesce=coalesce)
     msgs = [{"role": "user", "content": "x"}]
-    reqs = [InferRequest(messages=[dict(m) for m in msgs], data_dict={"target": 1 + i % 20}, uuid=f"u{i}",
-                         prompt_ids=encode_prompt(tok, msgs), seed=i) for i in range(n)]
+    reqs = [
+        InferRequest(
+            messages=[dict(m) for m in msgs],
+            data_dict={"target": 1 + i % 20},
+            uuid=f"u{i}",
+            prompt_ids=encode_prompt(tok, msgs),
+            seed=i,
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     outs = asyncio.run(run_trajectories(sch, reqs, SamplingParams(temperature=1.0, max_tokens=8), bound))
     seconds = time.perf_counter() - t0
@@ -79,10 +88,13 @@ def main() -> None:
     if "vllm" in engines:
         with open(f"/proc/{engines['vllm'].pid}/status") as f:
             hwm = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
-        line += [f"vllm_coalesced_speedup={res[('vllm', False)] / res[('vllm', True)]:.2f}",
-                 f"vllm_vs_hf={res[('hf', True)] / res[('vllm', False)]:.2f}",
-                 f"vllm_peak_inflight={res['vllm_peak']}", f"vllm_seconds={res[('vllm', False)]:.2f}",
-                 f"engine_peak_rss_mb={hwm:.0f}"]
+        line += [
+            f"vllm_coalesced_speedup={res[('vllm', False)] / res[('vllm', True)]:.2f}",
+            f"vllm_vs_hf={res[('hf', True)] / res[('vllm', False)]:.2f}",
+            f"vllm_peak_inflight={res['vllm_peak']}",
+            f"vllm_seconds={res[('vllm', False)]:.2f}",
+            f"engine_peak_rss_mb={hwm:.0f}",
+        ]
         engines["vllm"].close()
     line += [f"max_concurrent={bound}", f"driver_peak_rss_mb={rss:.0f}"]
     print("\n* what TurnClient does by default (coalesce for engines that compute inline, not for async ones)")

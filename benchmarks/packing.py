@@ -6,6 +6,7 @@ Also micro-batches by token budget, padded and packed. One process (TP1), fp32, 
 
 Ends with `result: padding_frac_padded=... padding_frac_packed=... packed_speedup=... max_grad_diff=...`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     from mgrpo.actor import Actor
     from mgrpo.config import ParallelConfig, load_config
-    from mgrpo.data.packing import budget_groups, model_inputs
     from mgrpo.data.microbatch import make_microbatches
+    from mgrpo.data.packing import budget_groups, model_inputs
     from mgrpo.loss.aggregation import token_weights
     from mgrpo.loss.policy import aggregation_of
     from mgrpo.models.tiny import make_tiny_hf
@@ -54,8 +55,16 @@ def main() -> None:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     real = sum(lengths)
     with tempfile.TemporaryDirectory() as work:
-        model = make_tiny_hf(os.path.join(work, "m"), vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8,
-                             num_kv_heads=2, ffn_hidden_size=1408, seed=0)
+        model = make_tiny_hf(
+            os.path.join(work, "m"),
+            vocab_size=8192,
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=2,
+            ffn_hidden_size=1408,
+            seed=0,
+        )
         actors = {}
         for packed in (False, True):  # the padded path as before (megatron's attention), the packed one (ours)
             cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl"], check_files=False)
@@ -63,9 +72,12 @@ def main() -> None:
             actors[packed] = Actor(cfg, model)
         weights = token_weights(samples, aggregation_of(cfg.algorithm), 512)
         advs = [float(i % 3) - 1.0 for i in range(len(samples))]
-        ways = {"padded, 8 per micro-batch": (False, None), "packed, 8 per row": (True, None),
-                "padded, 4096-token budget": (False, budget_groups(lengths, 4096, False)),
-                "packed, 4096-token budget": (True, budget_groups(lengths, 4096, True))}
+        ways = {
+            "padded, 8 per micro-batch": (False, None),
+            "packed, 8 per row": (True, None),
+            "padded, 4096-token budget": (False, budget_groups(lengths, 4096, False)),
+            "packed, 4096-token budget": (True, budget_groups(lengths, 4096, True)),
+        }
         rows, grads = {}, {}
         for name, (packed, groups) in ways.items():
             actor = actors[packed]
@@ -87,9 +99,11 @@ def main() -> None:
         worst = max(worst, diff)
         print(f"{name:28} {n:7d} {run:10d} {pad:8.1%} {t:8.2f} {rows[ref][3] / t:7.2f}x {diff:9.1e}")
     best = max(rows[k][3] and rows[ref][3] / rows[k][3] for k in rows if k.startswith("packed"))
-    print(f"result: padding_frac_padded={rows[ref][2]:.3f} padding_frac_packed={rows['packed, 8 per row'][2]:.3f} "
-          f"packed_speedup={rows[ref][3] / rows['packed, 8 per row'][3]:.2f} best_speedup={best:.2f} "
-          f"max_grad_diff={worst:.1e}")
+    print(
+        f"result: padding_frac_padded={rows[ref][2]:.3f} padding_frac_packed={rows['packed, 8 per row'][2]:.3f} "
+        f"packed_speedup={rows[ref][3] / rows['packed, 8 per row'][3]:.2f} best_speedup={best:.2f} "
+        f"max_grad_diff={worst:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ a plain memcpy of the same number of bytes; vLLM's own load step (`reload_weight
 
 Ends with `result: hf_batched_speedup=X vllm_vs_hf=Y ... shm_update_vs_memcpy_100m=Z` (ratios, best of reps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 from mgrpo.rollout.engine import request_seed  # noqa: E402
 from mgrpo.rollout.engines.hf import HFEngine  # noqa: E402
-from mgrpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
 from mgrpo.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from mgrpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
 
 MODELS = {
-    "tiny": dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=256, tokens=32),
-    "100m": dict(family="qwen2", vocab_size=32000, hidden_size=640, num_layers=12, num_heads=10, num_kv_heads=2,
-                 ffn_hidden_size=1792, tokens=128),
+    "tiny": dict(
+        family="qwen2",
+        vocab_size=300,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=256,
+        tokens=32,
+    ),
+    "100m": dict(
+        family="qwen2",
+        vocab_size=32000,
+        hidden_size=640,
+        num_layers=12,
+        num_heads=10,
+        num_kv_heads=2,
+        ffn_hidden_size=1792,
+        tokens=128,
+    ),
 }
 PROMPTS, N = 8, 4
 
@@ -45,10 +62,20 @@ def old_per_prompt(model, prompts, tokens, temperature=1.0):
     out = []
     for p in prompts:
         ids = torch.tensor([p] * N)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                             top_p=1.0, top_k=0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
-        new = gen.sequences[:, ids.shape[1]:]
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = gen.sequences[:, ids.shape[1] :]
         logits = torch.stack(gen.logits, 1).float()
         out.append(torch.log_softmax(logits / temperature, -1).gather(-1, new[..., None])[..., 0])
     return out
@@ -78,9 +105,17 @@ def weight_push(engine, hf_model, reps: int) -> dict:
     src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(2)
     memcpy = timed(lambda: dst.copy_(src), 5)
     rest = best["send_total_s"] - best["to_load_s"] - best["load_s"]  # vLLM's RPC return, cache reset, reply
-    return {"bytes": nbytes, "memcpy": memcpy, "shm": best["to_load_s"], "copy": best["copy_s"],
-            "load": best["load_s"], "rest": rest, "total": best["send_total_s"], "ratio": memcpy / best["to_load_s"],
-            "strict": memcpy / (best["send_total_s"] - best["load_s"])}
+    return {
+        "bytes": nbytes,
+        "memcpy": memcpy,
+        "shm": best["to_load_s"],
+        "copy": best["copy_s"],
+        "load": best["load_s"],
+        "rest": rest,
+        "total": best["send_total_s"],
+        "ratio": memcpy / best["to_load_s"],
+        "strict": memcpy / (best["send_total_s"] - best["load_s"]),
+    }
 
 
 def bench(name: str, spec: dict, reps: int, root: str, with_vllm: bool) -> dict:
@@ -90,8 +125,10 @@ def bench(name: str, spec: dict, reps: int, root: str, with_vllm: bool) -> dict:
     engine = HFEngine(path, eos_token_id=1, pad_token_id=0)
     params = sum(p.numel() for p in engine.model.parameters())
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, min(spec["vocab_size"], 300), (int(l),), generator=g).tolist()
-               for l in torch.randint(8, 40, (PROMPTS,), generator=g)]
+    prompts = [
+        torch.randint(3, min(spec["vocab_size"], 300), (int(n),), generator=g).tolist()
+        for n in torch.randint(8, 40, (PROMPTS,), generator=g)
+    ]
     requests = [GenerationRequest(p, request_seed(0, 0, i, j)) for i, p in enumerate(prompts) for j in range(N)]
     sp = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
@@ -118,20 +155,28 @@ def bench(name: str, spec: dict, reps: int, root: str, with_vllm: bool) -> dict:
 
 def report(r: dict) -> None:
     tok = r["tokens"]
-    print(f"{r['model']:>5} ({r['params_m']:.1f}M params, {tok} tokens): old per-prompt {r['old']:.3f} s "
-          f"({tok / r['old']:.0f} tok/s) | batched hf {r['batched']:.3f} s ({tok / r['batched']:.0f} tok/s, "
-          f"first token {r['batched_ttft'] * 1e3:.0f} ms) | speedup {r['speedup']:.2f}x", flush=True)
+    print(
+        f"{r['model']:>5} ({r['params_m']:.1f}M params, {tok} tokens): old per-prompt {r['old']:.3f} s "
+        f"({tok / r['old']:.0f} tok/s) | batched hf {r['batched']:.3f} s ({tok / r['batched']:.0f} tok/s, "
+        f"first token {r['batched_ttft'] * 1e3:.0f} ms) | speedup {r['speedup']:.2f}x",
+        flush=True,
+    )
     if "vllm" in r:
         p = r["push"]
-        print(f"{'':>5} vllm {r['vllm']:.3f} s ({tok / r['vllm']:.0f} tok/s, first token {r['vllm_ttft'] * 1e3:.0f} "
-              f"ms, engine start {r['vllm_start']:.1f} s) | vllm/hf throughput {r['batched'] / r['vllm']:.2f}x",
-              flush=True)
-        print(f"{'':>5} weight push {p['bytes'] / 1e6:.1f} MB: shared memory until vLLM's load begins "
-              f"{p['shm'] * 1e3:.1f} ms (copy into buffers {p['copy'] * 1e3:.1f} ms; the rest is the request, "
-              f"messages, manifest checks) vs memcpy {p['memcpy'] * 1e3:.1f} ms = {p['ratio']:.2f} of memcpy speed; "
-              f"vLLM's load step (reload_weights) {p['load'] * 1e3:.1f} ms; then RPC return + prefix-cache reset + "
-              f"reply {p['rest'] * 1e3:.1f} ms; whole update {p['total'] * 1e3:.1f} ms (without the load step "
-              f"{p['strict']:.2f} of memcpy speed)", flush=True)
+        print(
+            f"{'':>5} vllm {r['vllm']:.3f} s ({tok / r['vllm']:.0f} tok/s, first token {r['vllm_ttft'] * 1e3:.0f} "
+            f"ms, engine start {r['vllm_start']:.1f} s) | vllm/hf throughput {r['batched'] / r['vllm']:.2f}x",
+            flush=True,
+        )
+        print(
+            f"{'':>5} weight push {p['bytes'] / 1e6:.1f} MB: shared memory until vLLM's load begins "
+            f"{p['shm'] * 1e3:.1f} ms (copy into buffers {p['copy'] * 1e3:.1f} ms; the rest is the request, "
+            f"messages, manifest checks) vs memcpy {p['memcpy'] * 1e3:.1f} ms = {p['ratio']:.2f} of memcpy speed; "
+            f"vLLM's load step (reload_weights) {p['load'] * 1e3:.1f} ms; then RPC return + prefix-cache reset + "
+            f"reply {p['rest'] * 1e3:.1f} ms; whole update {p['total'] * 1e3:.1f} ms (without the load step "
+            f"{p['strict']:.2f} of memcpy speed)",
+            flush=True,
+        )
 
 
 def main():
@@ -153,10 +198,13 @@ def main():
         tag = "" if r["model"] == "tiny" else f"_{r['model']}"
         parts.append(f"hf_batched_speedup{tag}={r['speedup']:.2f}")
         if "vllm" in r:
-            parts += [f"vllm_vs_hf{tag}={r['batched'] / r['vllm']:.2f}",
-                      f"vllm_ttft_ms{tag}={r['vllm_ttft'] * 1e3:.0f}", f"hf_ttft_ms{tag}={r['batched_ttft'] * 1e3:.0f}",
-                      f"shm_update_vs_memcpy{tag}={r['push']['ratio']:.2f}",
-                      f"update_minus_load_vs_memcpy{tag}={r['push']['strict']:.2f}"]
+            parts += [
+                f"vllm_vs_hf{tag}={r['batched'] / r['vllm']:.2f}",
+                f"vllm_ttft_ms{tag}={r['vllm_ttft'] * 1e3:.0f}",
+                f"hf_ttft_ms{tag}={r['batched_ttft'] * 1e3:.0f}",
+                f"shm_update_vs_memcpy{tag}={r['push']['ratio']:.2f}",
+                f"update_minus_load_vs_memcpy{tag}={r['push']['strict']:.2f}",
+            ]
     print("result: " + " ".join(parts))
 
 

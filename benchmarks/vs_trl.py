@@ -17,6 +17,7 @@ median after `--warmup` steps. Reward first/last of both show they do the same w
 
 Ends with `result: tiny_speedup=... mid_speedup=... mid_efficiency=... trl_mid_efficiency=...`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,32 @@ from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 PROMPTS = os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl")
 TRL_PY = os.path.join(ROOT, ".peers", "trl", "bin", "python")
 SIZES = {
-    "tiny": dict(model=dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=2, num_heads=4,
-                            num_kv_heads=2, ffn_hidden_size=256), max_tokens=32, lr=3e-3),
-    "mid": dict(model=dict(family="qwen2", vocab_size=8192, hidden_size=768, num_layers=12, num_heads=12,
-                           num_kv_heads=2, ffn_hidden_size=2048), max_tokens=128, lr=1e-5),
+    "tiny": dict(
+        model=dict(
+            family="qwen2",
+            vocab_size=300,
+            hidden_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        ),
+        max_tokens=32,
+        lr=3e-3,
+    ),
+    "mid": dict(
+        model=dict(
+            family="qwen2",
+            vocab_size=8192,
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=2,
+            ffn_hidden_size=2048,
+        ),
+        max_tokens=128,
+        lr=1e-5,
+    ),
 }
 PROMPTS_PER_STEP, N, MICRO = 8, 4, 8
 
@@ -51,7 +74,7 @@ def matmul_gflops(threads: int, size: int = 2048, reps: int = 5) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(reps))
-    return 2 * size ** 3 / best / 1e9
+    return 2 * size**3 / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -74,33 +97,79 @@ def matmul_params(model_dir: str) -> int:
 
 def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, threads: int) -> dict:
     out = os.path.join(work, f"mgrpo-{engine}")
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", model, "--rollout.engine", engine,
-           "--rollout.n", str(N), "--rollout.prompts_per_step", str(PROMPTS_PER_STEP), "--rollout.max_tokens",
-           str(size["max_tokens"]), "--train.steps", str(steps), "--train.lr", str(size["lr"]),
-           "--train.micro_batch_size", str(MICRO), "--logging.output_dir", out, "--logging.progress_bar", "false",
-           "--logging.report", "false", "--logging.tensorboard", "false", "--logging.completions_interval", "0"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--model.path",
+        model,
+        "--rollout.engine",
+        engine,
+        "--rollout.n",
+        str(N),
+        "--rollout.prompts_per_step",
+        str(PROMPTS_PER_STEP),
+        "--rollout.max_tokens",
+        str(size["max_tokens"]),
+        "--train.steps",
+        str(steps),
+        "--train.lr",
+        str(size["lr"]),
+        "--train.micro_batch_size",
+        str(MICRO),
+        "--logging.output_dir",
+        out,
+        "--logging.progress_bar",
+        "false",
+        "--logging.report",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.completions_interval",
+        "0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         raise SystemExit(f"mgrpo ({engine}) failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     n = PROMPTS_PER_STEP * N
-    return {"step_s": [r["timing/step"] for r in rows], "rollout_s": [r.get("timing/rollout", 0.0) for r in rows],
-            "train_s": [r.get("timing/train", 0.0) for r in rows], "sync_s": [r.get("timing/sync", 0.0) for r in rows],
-            "completion_tokens": [r["response_length/mean"] * n for r in rows],
-            "prompt_tokens": [r["prompt_length/mean"] * n for r in rows], "reward": [r["reward/mean"] for r in rows]}
+    return {
+        "step_s": [r["timing/step"] for r in rows],
+        "rollout_s": [r.get("timing/rollout", 0.0) for r in rows],
+        "train_s": [r.get("timing/train", 0.0) for r in rows],
+        "sync_s": [r.get("timing/sync", 0.0) for r in rows],
+        "completion_tokens": [r["response_length/mean"] * n for r in rows],
+        "prompt_tokens": [r["prompt_length/mean"] * n for r in rows],
+        "reward": [r["reward/mean"] for r in rows],
+    }
 
 
 def run_trl(model: str, size: dict, steps: int, work: str, threads: int) -> dict:
-    spec = dict(model=model, prompts=PROMPTS, prompts_per_step=PROMPTS_PER_STEP, n=N, micro_batch_size=MICRO,
-                max_tokens=size["max_tokens"], lr=size["lr"], steps=steps, seed=1, threads=threads,
-                workdir=os.path.join(work, "trl"))
+    spec = dict(
+        model=model,
+        prompts=PROMPTS,
+        prompts_per_step=PROMPTS_PER_STEP,
+        n=N,
+        micro_batch_size=MICRO,
+        max_tokens=size["max_tokens"],
+        lr=size["lr"],
+        steps=steps,
+        seed=1,
+        threads=threads,
+        workdir=os.path.join(work, "trl"),
+    )
     path, out = os.path.join(work, "trl-spec.json"), os.path.join(work, "trl.json")
     json.dump(spec, open(path, "w"))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([TRL_PY, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--spec", path, "--out",
-                        out], capture_output=True, text=True, env=env, cwd=work)
+    r = subprocess.run(
+        [TRL_PY, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--spec", path, "--out", out],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+    )
     if r.returncode:
         raise SystemExit(f"TRL failed:\n{r.stderr[-3000:]}")
     rec = json.load(open(out))
@@ -112,11 +181,15 @@ def summary(rec: dict, warmup: int, flops_of) -> dict:
     k = slice(warmup, None)
     step = statistics.median(rec["step_s"][k])
     tokens = statistics.median(rec["completion_tokens"][k])
-    out = {"step": step, "tokens_per_s": tokens / step, "rollout": statistics.median(rec["rollout_s"][k]),
-           "train": statistics.median(rec["train_s"][k]), "sync": statistics.median(rec.get("sync_s", [0.0])[k] or
-                                                                                   [0.0]),
-           "reward_first": rec["reward"][0] if rec["reward"] else float("nan"),
-           "reward_last": rec["reward"][-1] if rec["reward"] else float("nan")}
+    out = {
+        "step": step,
+        "tokens_per_s": tokens / step,
+        "rollout": statistics.median(rec["rollout_s"][k]),
+        "train": statistics.median(rec["train_s"][k]),
+        "sync": statistics.median(rec.get("sync_s", [0.0])[k] or [0.0]),
+        "reward_first": rec["reward"][0] if rec["reward"] else float("nan"),
+        "reward_last": rec["reward"][-1] if rec["reward"] else float("nan"),
+    }
     out["limit"] = flops_of(rec, k)
     out["efficiency"] = out["limit"] / step
     return out
@@ -148,7 +221,7 @@ def main() -> None:
                 tokens = prompt + statistics.median(rec["completion_tokens"][k])
                 return (6 + 2) * params * tokens / rate
 
-            runs = {f"mgrpo-hf": run_mgrpo(model, size, "hf", args.steps, work, args.threads)}
+            runs = {"mgrpo-hf": run_mgrpo(model, size, "hf", args.steps, work, args.threads)}
             prompt_tokens[name] = statistics.median(runs["mgrpo-hf"]["prompt_tokens"])
             if name == "mid":
                 runs["mgrpo-vllm"] = run_mgrpo(model, size, "vllm", args.steps, work, args.threads)
@@ -158,12 +231,16 @@ def main() -> None:
                 s = summary(rec, args.warmup, flops_of)
                 results[(name, who)] = s
                 table.append((name, who, params, s))
-    print(f"\n{'size':5} {'trainer':11} {'params':>7} {'step s':>7} {'rollout':>8} {'train':>7} {'sync':>6} "
-          f"{'tok/s':>7} {'limit s':>8} {'effic.':>7} {'reward first->last':>20}")
+    print(
+        f"\n{'size':5} {'trainer':11} {'params':>7} {'step s':>7} {'rollout':>8} {'train':>7} {'sync':>6} "
+        f"{'tok/s':>7} {'limit s':>8} {'effic.':>7} {'reward first->last':>20}"
+    )
     for name, who, params, s in table:
-        print(f"{name:5} {who:11} {params / 1e6:6.1f}M {s['step']:7.2f} {s['rollout']:8.2f} {s['train']:7.2f} "
-              f"{s['sync']:6.2f} {s['tokens_per_s']:7.1f} {s['limit']:8.2f} {s['efficiency']:7.2f} "
-              f"{s['reward_first']:9.3f} -> {s['reward_last']:.3f}")
+        print(
+            f"{name:5} {who:11} {params / 1e6:6.1f}M {s['step']:7.2f} {s['rollout']:8.2f} {s['train']:7.2f} "
+            f"{s['sync']:6.2f} {s['tokens_per_s']:7.1f} {s['limit']:8.2f} {s['efficiency']:7.2f} "
+            f"{s['reward_first']:9.3f} -> {s['reward_last']:.3f}"
+        )
     line = {}
     if ("tiny", "trl") in results:
         line["tiny_speedup"] = results[("tiny", "mgrpo-hf")]["tokens_per_s"] / results[("tiny", "trl")]["tokens_per_s"]

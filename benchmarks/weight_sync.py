@@ -12,6 +12,7 @@ reload) and cache reset; peak RSS above the starting point is sampled on both si
 Ends with one line: result: http_s=... collective_s=... limit_s=... collective_vs_http=... collective_vs_limit=...
 peak_rss_mb=... (the HTTP figure is the default 64 MB xxh3_128 path; ratios are speedups at TP1)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODELS = {
-    "tiny": dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=256),
-    "100m": dict(family="qwen2", vocab_size=32000, hidden_size=640, num_layers=12, num_heads=10, num_kv_heads=2,
-                 ffn_hidden_size=1792),
+    "tiny": dict(
+        family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=256
+    ),
+    "100m": dict(
+        family="qwen2",
+        vocab_size=32000,
+        hidden_size=640,
+        num_layers=12,
+        num_heads=10,
+        num_kv_heads=2,
+        ffn_hidden_size=1792,
+    ),
 }
 TOKEN = "benchmark-" + os.urandom(8).hex()
 
@@ -70,9 +79,22 @@ class PeakRSS:
 
 def start_server(model: str, port: int, log: str) -> subprocess.Popen:
     env = dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--model", model,
-                             "--port", str(port), "--transport", "collective"], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "rollout_server.py"),
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--transport",
+            "collective",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     while f"ready: http://127.0.0.1:{port}" not in open(log).read():
         if proc.poll() is not None or time.time() > deadline:
@@ -87,35 +109,69 @@ def push(engine, actor, bucket_bytes: int, version: int, server_pid: int, algo: 
     server = psutil.Process(server_pid)
     transport = engine.weight_transport(bucket_bytes, algo=algo)
     t0 = time.perf_counter()
-    with PeakRSS(lambda: [psutil.Process()]) as mine, \
-            PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs:
+    with (
+        PeakRSS(lambda: [psutil.Process()]) as mine,
+        PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs,
+    ):
         receipt = transport.send(export_hf(actor.models(), dst=0, bucket_bytes=64 << 20), version)
     transport.close()
-    return dict(receipt, total_s=time.perf_counter() - t0, trainer_peak_mb=mine.peak / 2**20,
-                server_peak_mb=theirs.peak / 2**20)
+    return dict(
+        receipt, total_s=time.perf_counter() - t0, trainer_peak_mb=mine.peak / 2**20, server_peak_mb=theirs.peak / 2**20
+    )
 
 
 def push_collective(transport, actor, version: int, server_pid: int) -> dict:
     server = psutil.Process(server_pid)
     t0 = time.perf_counter()
-    with PeakRSS(lambda: [psutil.Process()]) as mine, \
-            PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs:
+    with (
+        PeakRSS(lambda: [psutil.Process()]) as mine,
+        PeakRSS(lambda: [server] + server.children(recursive=True)) as theirs,
+    ):
         receipt = transport.send_model(actor.models(), version)
-    return dict(receipt, total_s=time.perf_counter() - t0, trainer_peak_mb=mine.peak / 2**20,
-                server_peak_mb=theirs.peak / 2**20)
+    return dict(
+        receipt, total_s=time.perf_counter() - t0, trainer_peak_mb=mine.peak / 2**20, server_peak_mb=theirs.peak / 2**20
+    )
 
 
 def push_tp2_pp2(model: str, port: int, version: int) -> dict:
     """TP2xPP2 (4 ranks, two senders) through torchrun; the same server (the script: tests/rollout/)."""
     from mgrpo.parallel.distributed import free_port
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-                        str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py"), "--tp", "2",
-                        "--pp", "2", "--model", model, "--version", str(version), "--bucket-mb", "64",
-                        "--servers", f"http://127.0.0.1:{port}", "--run-id", "benchmark"],
-                       capture_output=True, text=True, env=dict(env, MGRPO_SERVER_TOKEN=TOKEN), timeout=1200)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(free_port()),
+            os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--model",
+            model,
+            "--version",
+            str(version),
+            "--bucket-mb",
+            "64",
+            "--servers",
+            f"http://127.0.0.1:{port}",
+            "--run-id",
+            "benchmark",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(env, MGRPO_SERVER_TOKEN=TOKEN),
+        timeout=1200,
+    )
     if r.returncode:
         sys.exit("the TP2xPP2 push failed:\n" + r.stderr[-3000:])
     import json
@@ -149,12 +205,22 @@ def main() -> None:
             cfg = load_config(argv=["--model.path", model], check_files=False)
             actor = Actor(cfg, model, train=False)
             largest = max(p.numel() * p.element_size() for c in actor.models() for p in c.parameters())
-            engine = RemoteEngine([f"http://127.0.0.1:{port}"], TOKEN, load_tokenizer(model).eos_token_id,
-                                  update_timeout_s=1200, run_id="benchmark")
+            engine = RemoteEngine(
+                [f"http://127.0.0.1:{port}"],
+                TOKEN,
+                load_tokenizer(model).eos_token_id,
+                update_timeout_s=1200,
+                run_id="benchmark",
+            )
             transport = CollectiveTransport(engine, 64 << 20, timeout_s=1200)
             rows, version = {}, 0
-            runs = (("per tensor", 1, "sha256"), ("64 MB buckets", 64 << 20, "sha256"),
-                    ("64 MB, xxh3", 64 << 20, "xxh3_128"), ("collective", 64 << 20, None), ("limit", 64 << 20, None))
+            runs = (
+                ("per tensor", 1, "sha256"),
+                ("64 MB buckets", 64 << 20, "sha256"),
+                ("64 MB, xxh3", 64 << 20, "xxh3_128"),
+                ("collective", 64 << 20, None),
+                ("limit", 64 << 20, None),
+            )
             for label, bucket, algo in runs * args.reps:
                 version += 1
                 if label == "collective":
@@ -162,9 +228,19 @@ def main() -> None:
                 elif label == "limit":
                     nbytes = rows["collective"][-1]["bytes"]
                     p = transport.probe(nbytes, bucket)
-                    rows.setdefault(label, []).append(dict(total_s=max(p["send_s"], p["receive_s"]), buckets=-(
-                        -nbytes // bucket), export_s=0.0, transfer_s=p["send_s"], load_s=0.0, reset_s=0.0,
-                        trainer_peak_mb=bucket / 2**20, server_peak_mb=bucket / 2**20, bytes=nbytes))
+                    rows.setdefault(label, []).append(
+                        dict(
+                            total_s=max(p["send_s"], p["receive_s"]),
+                            buckets=-(-nbytes // bucket),
+                            export_s=0.0,
+                            transfer_s=p["send_s"],
+                            load_s=0.0,
+                            reset_s=0.0,
+                            trainer_peak_mb=bucket / 2**20,
+                            server_peak_mb=bucket / 2**20,
+                            bytes=nbytes,
+                        )
+                    )
                 else:
                     rows.setdefault(label, []).append(push(engine, actor, bucket, version, server.pid, algo))
             transport.close()
@@ -175,32 +251,46 @@ def main() -> None:
     best = {k: min(v, key=lambda r: r["total_s"]) for k, v in rows.items()}
     fastest = min(tp2pp2, key=lambda r: r["total_s"])
     best["collective TP2xPP2"] = dict(fastest, trainer_peak_mb=fastest["sender_peak_mb"], server_peak_mb=float("nan"))
-    print(f"model {args.model}: {best['64 MB buckets']['bytes'] / 2**20:.0f} MiB of weights, largest tensor "
-          f"{largest / 2**20:.0f} MiB; best of {args.reps}")
-    print(f"{'':18} {'requests':>8} {'total s':>8} {'export s':>9} {'transfer s':>11} {'load s':>7} {'reset s':>8} "
-          f"{'trainer +MB':>12} {'server +MB':>11}")
+    print(
+        f"model {args.model}: {best['64 MB buckets']['bytes'] / 2**20:.0f} MiB of weights, largest tensor "
+        f"{largest / 2**20:.0f} MiB; best of {args.reps}"
+    )
+    print(
+        f"{'':18} {'requests':>8} {'total s':>8} {'export s':>9} {'transfer s':>11} {'load s':>7} {'reset s':>8} "
+        f"{'trainer +MB':>12} {'server +MB':>11}"
+    )
     for label, r in best.items():
-        print(f"{label:18} {r['buckets']:8d} {r['total_s']:8.2f} {r['export_s']:9.2f} {r['transfer_s']:11.2f} "
-              f"{r['load_s']:7.2f} {r['reset_s']:8.3f} {r['trainer_peak_mb']:12.0f} {r['server_peak_mb']:11.0f}")
+        print(
+            f"{label:18} {r['buckets']:8d} {r['total_s']:8.2f} {r['export_s']:9.2f} {r['transfer_s']:11.2f} "
+            f"{r['load_s']:7.2f} {r['reset_s']:8.3f} {r['trainer_peak_mb']:12.0f} {r['server_peak_mb']:11.0f}"
+        )
     per, buck = best["per tensor"]["total_s"], best["64 MB buckets"]["total_s"]
     http, coll, limit = best["64 MB, xxh3"]["total_s"], best["collective"]["total_s"], best["limit"]["total_s"]
     bound = 2 * 64 + largest / 2**20 + 64
     peak = best["collective"]["trainer_peak_mb"]
     print(f"HTTP per tensor vs 64 MB buckets: {per / buck:.2f}x; xxh3_128 instead of sha256: {buck / http:.2f}x")
-    print(f"collective vs HTTP (xxh3, the default): {http / coll:.2f}x; limit / collective: {limit / coll:.2f} "
-          f"(the wire alone: {best['limit']['bytes'] / 2**20 / limit:.0f} MiB/s); TP2xPP2 (two senders): "
-          f"{best['collective TP2xPP2']['total_s']:.2f} s")
+    print(
+        f"collective vs HTTP (xxh3, the default): {http / coll:.2f}x; limit / collective: {limit / coll:.2f} "
+        f"(the wire alone: {best['limit']['bytes'] / 2**20 / limit:.0f} MiB/s); TP2xPP2 (two senders): "
+        f"{best['collective TP2xPP2']['total_s']:.2f} s"
+    )
     split = next(iter(best["collective"]["server"].values()))
-    print(f"collective, server side: receive {split['receive_s']:.2f} s (while the sender exports and broadcasts), "
-          f"check + reload {split['reload_s']:.2f} s; the HTTP path's load (check + reload from /dev/shm files): "
-          f"{best['64 MB, xxh3']['load_s']:.2f} s")
-    print(f"trainer-side peak, collective: {peak:.0f} MB (bound: two buckets 128 + largest tensor "
-          f"{largest / 2**20:.0f} + 64 = {bound:.0f} MB); largest TP2xPP2 sender: "
-          f"{best['collective TP2xPP2']['trainer_peak_mb']:.0f} MB")
-    print(f"result: http_s={http:.3f} collective_s={coll:.3f} limit_s={limit:.3f} collective_vs_http={http / coll:.2f} "
-          f"collective_vs_limit={limit / coll:.2f} tp2pp2_collective_s={best['collective TP2xPP2']['total_s']:.3f} "
-          f"peak_rss_mb={peak:.0f} tp2pp2_sender_peak_mb={best['collective TP2xPP2']['trainer_peak_mb']:.0f} "
-          f"server_peak_rss_mb={best['collective']['server_peak_mb']:.0f}")
+    print(
+        f"collective, server side: receive {split['receive_s']:.2f} s (while the sender exports and broadcasts), "
+        f"check + reload {split['reload_s']:.2f} s; the HTTP path's load (check + reload from /dev/shm files): "
+        f"{best['64 MB, xxh3']['load_s']:.2f} s"
+    )
+    print(
+        f"trainer-side peak, collective: {peak:.0f} MB (bound: two buckets 128 + largest tensor "
+        f"{largest / 2**20:.0f} + 64 = {bound:.0f} MB); largest TP2xPP2 sender: "
+        f"{best['collective TP2xPP2']['trainer_peak_mb']:.0f} MB"
+    )
+    print(
+        f"result: http_s={http:.3f} collective_s={coll:.3f} limit_s={limit:.3f} collective_vs_http={http / coll:.2f} "
+        f"collective_vs_limit={limit / coll:.2f} tp2pp2_collective_s={best['collective TP2xPP2']['total_s']:.3f} "
+        f"peak_rss_mb={peak:.0f} tp2pp2_sender_peak_mb={best['collective TP2xPP2']['trainer_peak_mb']:.0f} "
+        f"server_peak_rss_mb={best['collective']['server_peak_mb']:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ gym environment and a policy loss by name. Load it with
 
 Plugins load only from the paths given; every name below becomes usable in the config.
 """
+
 import os
 
 from mgrpo.loss.registry import policy_loss, register_policy_loss

@@ -1,5 +1,6 @@
 """`mgrpo-serve` from a checkout, without installing: the code is mgrpo/cli/serve.py (`--help` lists every flag).
 torchrun and the Slurm scripts take this file."""
+
 import os
 import sys
 

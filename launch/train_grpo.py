@@ -1,5 +1,6 @@
 """`mgrpo-train` from a checkout, without installing: the code is mgrpo/cli/train.py (`--help` lists every flag).
 torchrun and the Slurm scripts take this file."""
+
 import os
 import sys
 

@@ -5,6 +5,7 @@ Loss scaling: each micro-batch carries per-token aggregation weights from global
 gradients over DP x CP, so each micro-batch returns sum(weight x per-token loss) x num_microbatches x dp:
 the summed gradient is the single-device gradient of the whole batch's loss.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,16 @@ class Actor:
         self.cfg = cfg
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
         local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
-        chunks = build_model(model_dir, cfg.parallel, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                             seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if local else None,
-                             packing=cfg.train.sequence_packing)
+        chunks = build_model(
+            model_dir,
+            cfg.parallel,
+            cfg.model.params_dtype,
+            cfg.model.make_vocab_size_divisible_by,
+            seed=cfg.train.seed,
+            moe=cfg.model.moe,
+            use_te=False if local else None,
+            packing=cfg.train.sequence_packing,
+        )
         load_hf(chunks, model_dir)
         if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
             from mgrpo.models.lora import apply_lora
@@ -51,31 +59,48 @@ class Actor:
             from mgrpo.models.routing import RoutingReplay
 
             m = self.info.moe
-            self.router_stats = RouterStats(chunks, self.info.num_hidden_layers, m.num_experts, m.topk,
-                                            bool(cfg.parallel.sp))
+            self.router_stats = RouterStats(
+                chunks, self.info.num_hidden_layers, m.num_experts, m.topk, bool(cfg.parallel.sp)
+            )
             replay = cfg.algorithm.routing_replay if replay_routing is None else replay_routing
             self.routing = RoutingReplay(chunks, self.info, replay, bool(cfg.parallel.sp))
         if train:
             self._wrap_for_training()
 
     def _wrap_for_training(self):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         t = self.cfg.train
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=self.config.params_dtype != torch.float64,
-                                                overlap_grad_reduce=False,
-                                                use_distributed_optimizer=t.use_distributed_optimizer)
-        self.chunks = [DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=c,
-                                               disable_bucketing=i > 0) for i, c in enumerate(self.chunks)]
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=self.config.params_dtype != torch.float64,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(self.chunks)
+        ]
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [c.no_sync for c in self.chunks]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-                                  adam_beta1=0.9, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip,
-                                  bf16=self.cfg.model.params_dtype == "bfloat16",
-                                  params_dtype=self.config.params_dtype,
-                                  use_distributed_optimizer=t.use_distributed_optimizer)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.grad_clip,
+            bf16=self.cfg.model.params_dtype == "bfloat16",
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks, use_gloo_process_groups=gloo_groups_created())
         self.scheduler = make_lr_schedule(self.optimizer, t)
 
@@ -84,8 +109,14 @@ class Actor:
         tp = mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
         packed = mb.get("packed")
         targets = mb["targets"] if packed is None else packed["targets"][None]
-        logp, ent = vocab_parallel_logprobs(logits, targets, tp, temperature=self.cfg.rollout.temperature,
-                                            compute_entropy=entropy, vocab_size=self.info.vocab_size)
+        logp, ent = vocab_parallel_logprobs(
+            logits,
+            targets,
+            tp,
+            temperature=self.cfg.rollout.temperature,
+            compute_entropy=entropy,
+            vocab_size=self.info.vocab_size,
+        )
         if packed is None:
             return logp, ent
         from mgrpo.data.packing import unpack
@@ -127,9 +158,9 @@ class Actor:
             old = logp.detach() if old is None else old
             is_weights, stats = None, {}
             if alg.rollout_is_mode:
-                is_weights, is_metrics = rollout_is_weights_from_cfg(old, mb["rollout_logp"], mask, alg,
-                                                                     seq_sum=self.seq_sum,
-                                                                     has_rollout=mb.get("has_rollout"))
+                is_weights, is_metrics = rollout_is_weights_from_cfg(
+                    old, mb["rollout_logp"], mask, alg, seq_sum=self.seq_sum, has_rollout=mb.get("has_rollout")
+                )
                 stats.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
             else:  # the engine/trainer mismatch is always worth seeing (e.g. top-p/top-k truncation)
                 diag = rollout_offpolicy_metrics(old, mb["rollout_logp"], mask, has_rollout=mb.get("has_rollout"))
@@ -137,9 +168,16 @@ class Actor:
             advantages, keep = mb["advantages"], mb.get("entropy_mask")
             if keep is not None:  # the top-entropy token mask: the others lose their policy term (loss/entropy_mask.py)
                 advantages = advantages * keep
-            per_token, metrics = fn(logp, old, advantages, mask, alg,
-                                    ref_logp=mb.get("ref_logp"), rollout_is_weights=is_weights,
-                                    seq_sum=self.seq_sum)
+            per_token, metrics = fn(
+                logp,
+                old,
+                advantages,
+                mask,
+                alg,
+                ref_logp=mb.get("ref_logp"),
+                rollout_is_weights=is_weights,
+                seq_sum=self.seq_sum,
+            )
             if alg.entropy_coef:
                 per_token = per_token - alg.entropy_coef * entropy * mask
             metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
@@ -182,8 +220,10 @@ class Actor:
         A step whose gradients are not finite on some rank is skipped on every rank: weights, Adam's moments
         and step count stay as they were (`update_ok` False, `skipped_steps` counts them)."""
         moe = self.router_stats is not None
-        with self.router_stats.collect() if moe else contextlib.nullcontext(), \
-                self.routing.collect() if moe else contextlib.nullcontext():
+        with (
+            self.router_stats.collect() if moe else contextlib.nullcontext(),
+            self.routing.collect() if moe else contextlib.nullcontext(),
+        ):
             stats = self.forward_backward(microbatches)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the LR this optimizer step is scheduled to use
         if self.grads_finite():
@@ -196,8 +236,12 @@ class Actor:
             self.optimizer.zero_grad()
         if self.scheduler is not None:  # a skipped step keeps its place in the schedule (make_lr_schedule)
             self.scheduler.step(increment=1)
-        out = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "update_ok": bool(ok),
-               "skipped_steps": self.skipped_steps, "lr": lr}
+        out = {
+            "grad_norm": float(grad_norm if grad_norm is not None else 0.0),
+            "update_ok": bool(ok),
+            "skipped_steps": self.skipped_steps,
+            "lr": lr,
+        }
         if moe:
             out.update(self.router_stats.reduce(), **self.routing.reduce())
         if stats:
@@ -214,8 +258,10 @@ class Actor:
 
     def train_state(self) -> dict:
         """What a checkpoint needs beyond the tensors: the LR schedule's position and the skipped-step count."""
-        return {"scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_train_state(self, state: dict) -> None:
         """The schedule is rebuilt from this run's config (train.steps may have changed) at the saved position."""
@@ -279,7 +325,15 @@ def make_lr_schedule(optimizer, t, total_steps: int | None = None):
     total = total_steps or optimizer_steps(t, t.steps)
     warm = t.warmup_steps
     return OptimizerParamScheduler(
-        optimizer, init_lr=t.lr / warm if warm else t.lr, max_lr=t.lr,
-        min_lr=t.min_lr if t.lr_schedule != "constant" else t.lr, lr_warmup_steps=max(warm - 1, 0),
-        lr_decay_steps=max(total - 1, warm, 1), lr_decay_style=t.lr_schedule,
-        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=max(total, 1), wd_incr_style="constant")
+        optimizer,
+        init_lr=t.lr / warm if warm else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr if t.lr_schedule != "constant" else t.lr,
+        lr_warmup_steps=max(warm - 1, 0),
+        lr_decay_steps=max(total - 1, warm, 1),
+        lr_decay_style=t.lr_schedule,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=max(total, 1),
+        wd_incr_style="constant",
+    )

@@ -14,6 +14,7 @@ A save writes step_XXXXXX.tmp; when every rank has finished, rank 0 records the 
 into place, rewrites `latest`, and only then prunes to `keep_last`. A kill at any instant leaves `latest` on a
 complete checkpoint; a leftover .tmp is never read, and the next save of that step replaces it.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,10 @@ def read_meta(ckpt_dir: str, verify: bool = True) -> dict:
         raise CheckpointFolderError(f"{ckpt_dir}: checkpoint folder not found")
     for need in (META, "dist", os.path.join("hf", "config.json")):
         if not os.path.exists(os.path.join(ckpt_dir, need)):
-            raise CheckpointFolderError(f"{ckpt_dir}: not a complete mgrpo checkpoint ({need} is missing); point at "
-                                        f"a step_XXXXXX folder written by the trainer")
+            raise CheckpointFolderError(
+                f"{ckpt_dir}: not a complete mgrpo checkpoint ({need} is missing); point at "
+                f"a step_XXXXXX folder written by the trainer"
+            )
     try:
         with open(os.path.join(ckpt_dir, META)) as f:
             meta = json.load(f)
@@ -85,8 +88,9 @@ def read_meta(ckpt_dir: str, verify: bool = True) -> dict:
         have = os.path.getsize(path) if os.path.isfile(path) else None
         if have != size:
             state = "missing" if have is None else f"{have} bytes, {size} when saved"
-            raise CheckpointFolderError(f"{path}: {state}: the checkpoint is truncated, damaged or missing a file; "
-                                        f"use another checkpoint")
+            raise CheckpointFolderError(
+                f"{path}: {state}: the checkpoint is truncated, damaged or missing a file; use another checkpoint"
+            )
     return meta
 
 
@@ -100,8 +104,10 @@ def resolve(spec: str, save_dir: str) -> str:
             return os.path.join(save_dir, f.read().strip())
     found = complete_checkpoints(save_dir)  # `latest` not written yet: the newest folder with its metadata
     if not found:
-        raise CheckpointFolderError(f"no checkpoint in checkpoint.save_dir={save_dir} (no `latest` and no "
-                                    f"complete step_XXXXXX folder); drop --resume to start a fresh run")
+        raise CheckpointFolderError(
+            f"no checkpoint in checkpoint.save_dir={save_dir} (no `latest` and no "
+            f"complete step_XXXXXX folder); drop --resume to start a fresh run"
+        )
     return found[-1][1]
 
 
@@ -121,9 +127,12 @@ def rng_state() -> dict:
 
     version, state, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    out = {"python": [version, torch.tensor(state, dtype=torch.int64), gauss],
-           "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-           "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    out = {
+        "python": [version, torch.tensor(state, dtype=torch.int64), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
@@ -143,8 +152,15 @@ def set_rng_state(s: dict) -> None:
 
 def _layout(cfg, world: int) -> dict:
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "world_size": world,
-            "distributed_optimizer": cfg.train.use_distributed_optimizer}
+    return {
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "cp": p.cp,
+        "ep": p.ep,
+        "world_size": world,
+        "distributed_optimizer": cfg.train.use_distributed_optimizer,
+    }
 
 
 def lora_meta(lora) -> dict | None:
@@ -218,8 +234,11 @@ def _allocate_adam_state(optimizer) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
-                                          step=torch.zeros((), dtype=torch.float32))
+                    inner.state[p].update(
+                        exp_avg=torch.zeros_like(p.data),
+                        exp_avg_sq=torch.zeros_like(p.data),
+                        step=torch.zeros((), dtype=torch.float32),
+                    )
 
 
 class Saver:
@@ -231,17 +250,23 @@ class Saver:
         self.queue = None
         found = complete_checkpoints(self.c.save_dir) if self.c.save_dir and not self.c.resume else []
         if found and dist.get_rank() == 0:
-            print(f"mgrpo: warning: checkpoint.save_dir={self.c.save_dir} already holds checkpoints up to step "
-                  f"{found[-1][0]}; this fresh run replaces them as it goes (--resume continues that run instead)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"mgrpo: warning: checkpoint.save_dir={self.c.save_dir} already holds checkpoints up to step "
+                f"{found[-1][0]}; this fresh run replaces them as it goes (--resume continues that run instead)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.c.async_save:
             from mgrpo.checkpoint_writer import spawned_writer_queue
 
             self.queue = spawned_writer_queue()
 
     def due(self, done_steps: int) -> bool:
-        return bool(self.c.save_dir) and self.c.save_interval > 0 and (
-            done_steps % self.c.save_interval == 0 or done_steps == self.cfg.train.steps)
+        return (
+            bool(self.c.save_dir)
+            and self.c.save_interval > 0
+            and (done_steps % self.c.save_interval == 0 or done_steps == self.cfg.train.steps)
+        )
 
     def save(self, actor, step: int, common: dict) -> str:
         from megatron.core import dist_checkpointing
@@ -263,9 +288,15 @@ class Saver:
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(self.cfg), f, sort_keys=False)
         dist.barrier()
-        meta = {"mgrpo_version": mgrpo.__version__, "step": step, "params_dtype": self.cfg.model.params_dtype,
-                "family": actor.info.family, "layout": _layout(self.cfg, dist.get_world_size()), "state": common,
-                "lora": lora_meta(self.cfg.model.lora)}
+        meta = {
+            "mgrpo_version": mgrpo.__version__,
+            "step": step,
+            "params_dtype": self.cfg.model.params_dtype,
+            "family": actor.info.family,
+            "layout": _layout(self.cfg, dist.get_world_size()),
+            "state": common,
+            "lora": lora_meta(self.cfg.model.lora),
+        }
         state = training_state(actor, common, is_loading=False, with_rng=True)
         request = dist_checkpointing.save(state, os.path.join(tmp, "dist"), async_sharded_save=self.queue is not None)
 
@@ -282,8 +313,11 @@ class Saver:
                 self.prune(final)
                 size = sum(meta["files"].values())
                 wait = f" (the loop waited {meta['blocking_seconds']:.2f} s)" if request is not None else ""
-                print(f"mgrpo: checkpoint {final}: {size / 2**20:.1f} MiB in {meta['save_seconds']:.2f} s{wait}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"mgrpo: checkpoint {final}: {size / 2**20:.1f} MiB in {meta['save_seconds']:.2f} s{wait}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             dist.barrier()
 
         if request is None:
@@ -313,7 +347,7 @@ class Saver:
         if self.c.keep_last <= 0:
             return
         found = [path for _, path in complete_checkpoints(self.c.save_dir)]
-        for path in found[:-self.c.keep_last]:
+        for path in found[: -self.c.keep_last]:
             if os.path.abspath(path) != os.path.abspath(newest):
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -362,9 +396,13 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
     if same_layout:
         set_rng_state(state["rng_state"])
     elif dist.get_rank() == 0:
-        print(f"mgrpo: resume: the layout changed ({_layout_text(meta['layout'])} -> "
-              f"{_layout_text(_layout(cfg, dist.get_world_size()))}); dist_checkpointing reshards the model and "
-              f"optimizer state; per-rank RNG states restart from the seed", file=sys.stderr, flush=True)
+        print(
+            f"mgrpo: resume: the layout changed ({_layout_text(meta['layout'])} -> "
+            f"{_layout_text(_layout(cfg, dist.get_world_size()))}); dist_checkpointing reshards the model and "
+            f"optimizer state; per-rank RNG states restart from the seed",
+            file=sys.stderr,
+            flush=True,
+        )
     if dist.get_rank() == 0:
         print(f"mgrpo: resume: training state loaded in {time.time() - started:.2f} s", file=sys.stderr, flush=True)
     return state["common"]
@@ -373,7 +411,8 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
 def _layout_text(lay: dict) -> str:
     dp = lay["world_size"] // (lay["tp"] * lay["pp"] * lay["cp"])
     return f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp'] or 1} CP{lay['cp']} EP{lay['ep']} DP{dp}" + (
-        " (distributed optimizer)" if lay.get("distributed_optimizer") else "")
+        " (distributed optimizer)" if lay.get("distributed_optimizer") else ""
+    )
 
 
 def _load(request: dict, ckpt_dir: str) -> dict:
@@ -385,8 +424,10 @@ def _load(request: dict, ckpt_dir: str) -> dict:
         raise
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise CheckpointFolderError(f"{ckpt_dir}/dist: cannot load ({type(exc).__name__}: {first}); "
-                                    f"a checkpoint file is truncated, damaged or missing") from None
+        raise CheckpointFolderError(
+            f"{ckpt_dir}/dist: cannot load ({type(exc).__name__}: {first}); "
+            f"a checkpoint file is truncated, damaged or missing"
+        ) from None
 
 
 def _load_model(model, state: dict, ckpt_dir: str) -> None:

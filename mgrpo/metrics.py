@@ -10,34 +10,46 @@ per-sequence k1 sum with kl_in_reward); `actor/clip_frac` the fraction of loss t
 response tokens per second of the step's wall clock; `timing/<phase>` seconds per phase, `timing/step` the step's
 wall clock (checkpoint included) and `timing/other` what no phase timer saw (all seconds).
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from mgrpo.parallel.device import cpu_group
 from mgrpo.parallel.state import holds_metrics
 
 # loss-side names (actor.train_step stats) -> logged names
-_ACTOR = {"clip_frac": "actor/clip_frac", "clip_frac_low": "actor/clip_frac_low",
-          "clip_frac_high": "actor/clip_frac_high", "dual_clip_frac": "actor/dual_clip_frac",
-          "approx_kl": "actor/kl_old", "kl": "actor/kl_ref", "entropy": "actor/entropy", "loss": "actor/loss",
-          "sapo_grad_weight": "actor/sapo_grad_weight", "cispo_clip_frac_pos": "actor/cispo_clip_frac_pos",
-          "entropy_mask_frac": "actor/entropy_mask_frac"}
+_ACTOR = {
+    "clip_frac": "actor/clip_frac",
+    "clip_frac_low": "actor/clip_frac_low",
+    "clip_frac_high": "actor/clip_frac_high",
+    "dual_clip_frac": "actor/dual_clip_frac",
+    "approx_kl": "actor/kl_old",
+    "kl": "actor/kl_ref",
+    "entropy": "actor/entropy",
+    "loss": "actor/loss",
+    "sapo_grad_weight": "actor/sapo_grad_weight",
+    "cispo_clip_frac_pos": "actor/cispo_clip_frac_pos",
+    "entropy_mask_frac": "actor/entropy_mask_frac",
+}
 
 
 def reduce_last_stage(metrics: dict, mean_keys: list, sum_keys: list) -> dict:
     """Token-weighted means of `mean_keys` and sums of `sum_keys` over the ranks that hold them, on every rank."""
     report = holds_metrics()
     tokens = metrics.get("tokens", 0.0) if report else 0.0
-    vec = torch.tensor([metrics.get(k, 0.0) * tokens if report else 0.0 for k in mean_keys]
-                       + [metrics.get(k, 0.0) if report else 0.0 for k in sum_keys] + [tokens], dtype=torch.float64)
+    vec = torch.tensor(
+        [metrics.get(k, 0.0) * tokens if report else 0.0 for k in mean_keys]
+        + [metrics.get(k, 0.0) if report else 0.0 for k in sum_keys]
+        + [tokens],
+        dtype=torch.float64,
+    )
     dist.all_reduce(vec, group=cpu_group())
     out = {k: float(v) / max(float(vec[-1]), 1.0) for k, v in zip(mean_keys, vec)}
-    out.update({k: float(v) for k, v in zip(sum_keys, vec[len(mean_keys):])})
+    out.update({k: float(v) for k, v in zip(sum_keys, vec[len(mean_keys) :])})
     return out
 
 
@@ -82,17 +94,25 @@ def reward_metrics(samples: list, funcs: list = ()) -> dict:
 
 def length_metrics(samples: list) -> dict:
     resp = [len(s.response_ids) for s in samples] or [0]
-    return {"response_length/mean": sum(resp) / len(resp), "response_length/max": max(resp),
-            "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
-            "prompt_length/mean": sum(len(s.prompt_ids) for s in samples) / max(len(samples), 1)}
+    return {
+        "response_length/mean": sum(resp) / len(resp),
+        "response_length/max": max(resp),
+        "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
+        "prompt_length/mean": sum(len(s.prompt_ids) for s in samples) / max(len(samples), 1),
+    }
 
 
 def update_metrics(cfg, out: dict) -> dict:
     """One optimizer step's logged actor metrics (a collective: every rank calls it)."""
     reduced = reduce_last_stage(out, loss_metric_keys(cfg.algorithm) + ["ratio_mean"], ["loss"])
     metrics = {_ACTOR.get(k, "actor/" + k if k == "ratio_mean" else k): v for k, v in reduced.items()}
-    metrics.update({"actor/grad_norm": out["grad_norm"], "actor/lr": out.get("lr", 0.0),
-                    "actor/skipped_steps": out["skipped_steps"]})
+    metrics.update(
+        {
+            "actor/grad_norm": out["grad_norm"],
+            "actor/lr": out.get("lr", 0.0),
+            "actor/skipped_steps": out["skipped_steps"],
+        }
+    )
     metrics.update({k: v for k, v in out.items() if k.startswith("moe/")})  # reduced over all ranks already
     return metrics
 

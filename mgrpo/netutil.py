@@ -1,4 +1,5 @@
 """Address checks shared by the rollout server's launcher (what it binds) and the client config (what it calls)."""
+
 from __future__ import annotations
 
 import ipaddress

@@ -17,6 +17,7 @@ layer's backward working set (MoE layers: a rough estimate), the logits with the
 overhead. Checked against measured peak RSS on CPU by benchmarks/memory_plan.py (the working-set and overhead
 terms were added after its first run: calibrated there; dense models only).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,7 @@ GiB = 1 << 30
 @dataclass
 class StageParams:
     """One pipeline rank's parameters as built (TP rank 0 stands for its TP group: same shapes)."""
+
     held: int = 0  # on this rank, vocabulary padding included (what memory holds)
     sharded: int = 0  # TP-sharded, padding excluded, this rank's share
     replicated: int = 0  # same on every TP rank (norms); counted once per TP group
@@ -53,8 +55,7 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> dict:
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     out = {k: gen.get_ranks(k) for k in ("tp", "pp", "dp", "cp", "dp-cp")}
     expert = RankGenerator(tp=tp, ep=ep, dp=tp * pp * cp * dp // (tp * ep * pp), pp=pp, cp=1, order=order)
-    out.update({"ep": expert.get_ranks("ep"), "expert-tp": expert.get_ranks("tp"),
-                "expert-dp": expert.get_ranks("dp")})
+    out.update({"ep": expert.get_ranks("ep"), "expert-tp": expert.get_ranks("tp"), "expert-dp": expert.get_ranks("dp")})
     return out
 
 
@@ -84,19 +85,32 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
     from mgrpo.parallel.pipeline import unwrap
 
     if dist.is_initialized():
-        raise RuntimeError("the plan builds under its own fake process group: run it in a process that has none "
-                           "(launch/train_grpo.py --print-plan)")
+        raise RuntimeError(
+            "the plan builds under its own fake process group: run it in a process that has none "
+            "(launch/train_grpo.py --print-plan)"
+        )
     apply_cpu_shims()  # megatron asks for CUDA RNG state and devices while building; none is touched
     p = cfg.parallel
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                                      virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
-                                      context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
-                                      create_gloo_process_groups=False)
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
+            context_parallel_size=p.cp,
+            expert_model_parallel_size=p.ep,
+            create_gloo_process_groups=False,
+        )
         with torch.device("meta"):
-            chunks = build_model(model_dir, p, cfg.model.params_dtype, cfg.model.make_vocab_size_divisible_by,
-                                 seed=cfg.train.seed, moe=cfg.model.moe, use_te=False if cfg.model.lora.rank else None)
+            chunks = build_model(
+                model_dir,
+                p,
+                cfg.model.params_dtype,
+                cfg.model.make_vocab_size_divisible_by,
+                seed=cfg.train.seed,
+                moe=cfg.model.moe,
+                use_te=False if cfg.model.lora.rank else None,
+            )
             if cfg.model.lora.rank:
                 from mgrpo.models.lora import apply_lora
 
@@ -118,8 +132,11 @@ def stage_params(cfg, model_dir: str, world: int, rank: int) -> StageParams:
                         out.expert_sharded += n
                     else:
                         out.expert_replicated += n
-                elif name == "output_layer.weight" and model.share_embeddings_and_output_weights \
-                        and not model.pre_process:
+                elif (
+                    name == "output_layer.weight"
+                    and model.share_embeddings_and_output_weights
+                    and not model.pre_process
+                ):
                     out.tied_copy += n
                 elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                     out.vocab_rows.append((param.shape[0], param.shape[1]))
@@ -152,15 +169,21 @@ def vocab_share(local_rows: int, tp_rank: int, vocab: int) -> int:
     return max(0, min(vocab, start + local_rows) - start)
 
 
-def unique_params(stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, vocab: int,
-                  expert_dp_rank: int = 0) -> int:
+def unique_params(
+    stage: StageParams, tp_rank: int, dp_rank: int, cp_rank: int, vocab: int, expert_dp_rank: int = 0
+) -> int:
     """What this rank owns: dense weights on DP0/CP0 (replicated ones on TP0 too), experts on expert-DP rank 0."""
     experts = 0 if expert_dp_rank else stage.expert_sharded + (stage.expert_replicated if tp_rank == 0 else 0)
     if dp_rank or cp_rank:
         return experts
     rows = sum(vocab_share(r, tp_rank, vocab) * h for r, h in stage.vocab_rows)
-    return stage.sharded + rows + (stage.replicated if tp_rank == 0 else 0) + experts + lora_unique(
-        stage, tp_rank, dp_rank, cp_rank)
+    return (
+        stage.sharded
+        + rows
+        + (stage.replicated if tp_rank == 0 else 0)
+        + experts
+        + lora_unique(stage, tp_rank, dp_rank, cp_rank)
+    )
 
 
 def plan_seq_len(cfg) -> int:
@@ -169,12 +192,15 @@ def plan_seq_len(cfg) -> int:
     return (cfg.data.max_prompt_length or 512) + cfg.rollout.max_tokens
 
 
-ATTENTION = {"flash": "fused attention (TE/flash on GPU): no score matrix kept",
-             "local": "megatron's local attention (CPU): fp32 scores and probabilities kept"}
+ATTENTION = {
+    "flash": "fused attention (TE/flash on GPU): no score matrix kept",
+    "local": "megatron's local attention (CPU): fp32 scores and probabilities kept",
+}
 
 
-def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attention: str = "flash",
-                               sparse: bool = False) -> float:
+def activation_bytes_per_layer(
+    info, p, tokens: int, seq: int, elem: int, attention: str = "flash", sparse: bool = False
+) -> float:
     """Tensors one transformer layer keeps for backward (no recomputation), for `tokens` tokens of sequences of
     length `seq` on this rank (CP: seq is the full length, the rank holds seq / cp queries).
 
@@ -182,8 +208,13 @@ def activation_bytes_per_layer(info, p, tokens: int, seq: int, elem: int, attent
     expert-TP a rank computes topk x tokens routed tokens on average (routing imbalance moves it; nothing is
     dropped): each keeps its permuted input (h) and its expert MLP's 3 x moe_ffn / expert-TP, instead of the dense
     3 x ffn / TP per token; plus the router's fp32 scores and probabilities (2 x E per token)."""
-    h, d, a, kv, ffn = info.hidden_size, info.head_dim, info.num_attention_heads, info.num_key_value_heads, \
-        info.intermediate_size
+    h, d, a, kv, ffn = (
+        info.hidden_size,
+        info.head_dim,
+        info.num_attention_heads,
+        info.num_key_value_heads,
+        info.intermediate_size,
+    )
     t = p.tp
     sp = t if p.sp else 1  # sequence parallel shards the norms' and residuals' tokens over TP
     if sparse:  # expert-TP = TP (megatron's default)
@@ -219,8 +250,16 @@ RUNTIME_OVERHEAD = 128 << 20  # allocator caching, communication buffers, thread
 # on the CPU machines here (benchmarks/memory_plan.py); on a GPU add the CUDA context (~0.5 GB, outside torch)
 
 
-def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_padded: int,
-                    attention: str = "flash", expert_dp: int | None = None) -> dict:
+def memory_estimate(
+    cfg,
+    info,
+    stage: StageParams,
+    pp_rank: int,
+    dp: int,
+    vocab_padded: int,
+    attention: str = "flash",
+    expert_dp: int | None = None,
+) -> dict:
     """Bytes per rank: weights, grads, optimizer (plain and distributed), activations, logits, total. The rank
     holds its E / EP experts' weights, fp32 gradients and Adam state like any other; megatron's distributed
     optimizer shards dense state over DP x CP and expert state over `expert_dp` (its intra expert-DP group).
@@ -255,9 +294,20 @@ def memory_estimate(cfg, info, stage: StageParams, pp_rank: int, dp: int, vocab_
     logits = tokens * vocab_padded / p.tp * (elem + 4) if last else 0.0
     optimizer = adam_dist if t.use_distributed_optimizer else adam
     total = weights + grads + optimizer + activations + logits + RUNTIME_OVERHEAD
-    return dict(weights=weights, grads=grads, optimizer=adam, optimizer_distributed=adam_dist,
-                activations=activations, logits=logits, overhead=RUNTIME_OVERHEAD, total=total, seq=seq,
-                micro_batch=mbs, micro_batches=micro_batches, inflight=inflight)
+    return dict(
+        weights=weights,
+        grads=grads,
+        optimizer=adam,
+        optimizer_distributed=adam_dist,
+        activations=activations,
+        logits=logits,
+        overhead=RUNTIME_OVERHEAD,
+        total=total,
+        seq=seq,
+        micro_batch=mbs,
+        micro_batches=micro_batches,
+        inflight=inflight,
+    )
 
 
 def build_plan(cfg, world: int, attention: str = "flash") -> dict:
@@ -280,14 +330,35 @@ def build_plan(cfg, world: int, attention: str = "flash") -> dict:
     ranks = []
     for r, (pp_rank, tp_rank, dp_rank, cp_rank, ep_rank, edp_rank) in enumerate(where):
         s = stages[pp_rank]
-        ranks.append(dict(rank=r, pp=pp_rank, tp=tp_rank, dp=dp_rank, cp=cp_rank, ep=ep_rank, edp=edp_rank,
-                          held=s.held, expert_held=s.expert_held, lora_unique=lora_unique(s, tp_rank, dp_rank, cp_rank),
-                          unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size, edp_rank),
-                          memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention, expert_dp)))
-    return dict(world=world, dp=dp, expert_dp=expert_dp, groups=groups, ranks=ranks, info=info,
-                vocab_padded=vocab_padded, attention=attention, unique_total=sum(r["unique"] for r in ranks),
-                trainable=sum(r["lora_unique"] for r in ranks) if cfg.model.lora.rank else None,
-                unique_experts=p.ep * sum(s.expert_sharded * p.tp + s.expert_replicated for s in stages.values()))
+        ranks.append(
+            dict(
+                rank=r,
+                pp=pp_rank,
+                tp=tp_rank,
+                dp=dp_rank,
+                cp=cp_rank,
+                ep=ep_rank,
+                edp=edp_rank,
+                held=s.held,
+                expert_held=s.expert_held,
+                lora_unique=lora_unique(s, tp_rank, dp_rank, cp_rank),
+                unique=unique_params(s, tp_rank, dp_rank, cp_rank, info.vocab_size, edp_rank),
+                memory=memory_estimate(cfg, info, s, pp_rank, dp, vocab_padded, attention, expert_dp),
+            )
+        )
+    return dict(
+        world=world,
+        dp=dp,
+        expert_dp=expert_dp,
+        groups=groups,
+        ranks=ranks,
+        info=info,
+        vocab_padded=vocab_padded,
+        attention=attention,
+        unique_total=sum(r["unique"] for r in ranks),
+        trainable=sum(r["lora_unique"] for r in ranks) if cfg.model.lora.rank else None,
+        unique_experts=p.ep * sum(s.expert_sharded * p.tp + s.expert_replicated for s in stages.values()),
+    )
 
 
 def _groups_line(name: str, groups: list, limit: int = 4) -> str:
@@ -312,42 +383,54 @@ def format_plan(cfg, plan: dict) -> str:
     opt_steps = t.steps_per_generation * t.num_iterations
     gb = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
     experts = f"; experts: expert-TP {p.tp} x EP {p.ep} x expert-DP {plan['expert_dp']} x PP {p.pp}" if moe else ""
-    lines = [f"plan: {os.path.basename(os.path.normpath(cfg.model.path))} ({info.family}, {info.num_hidden_layers} "
-             f"layers, hidden {info.hidden_size}, vocab {info.vocab_size} padded to {plan['vocab_padded']}) on "
-             f"{world} ranks, {cfg.model.params_dtype}",
-             f"layout: TP {p.tp} x PP {p.pp}{f' (VPP {p.vpp})' if p.vpp and p.vpp > 1 else ''} x CP {p.cp} x DP {dp}"
-             f"{', SP' if p.sp else ''} (megatron order tp-cp-ep-dp-pp){experts}"]
+    lines = [
+        f"plan: {os.path.basename(os.path.normpath(cfg.model.path))} ({info.family}, {info.num_hidden_layers} "
+        f"layers, hidden {info.hidden_size}, vocab {info.vocab_size} padded to {plan['vocab_padded']}) on "
+        f"{world} ranks, {cfg.model.params_dtype}",
+        f"layout: TP {p.tp} x PP {p.pp}{f' (VPP {p.vpp})' if p.vpp and p.vpp > 1 else ''} x CP {p.cp} x DP {dp}"
+        f"{', SP' if p.sp else ''} (megatron order tp-cp-ep-dp-pp){experts}",
+    ]
     for name in ("tp", "pp", "cp", "dp"):
         lines.append(_groups_line(name.upper(), plan["groups"][name]))
     if p.ep > 1:
         lines += [_groups_line("EP", plan["groups"]["ep"]), _groups_line("EXP-DP", plan["groups"]["expert-dp"])]
     if moe:
         m = info.moe
-        lines.append(f"experts: {m.num_experts} per MoE layer ({sum(m.sparse_layers)} of {info.num_hidden_layers} "
-                     f"layers), top-{m.topk}, expert FFN {m.ffn_hidden_size}; {m.num_experts // p.ep} per EP rank "
-                     f"(EP {p.ep}), expert-TP {p.tp} (= TP), expert-DP {plan['expert_dp']}")
+        lines.append(
+            f"experts: {m.num_experts} per MoE layer ({sum(m.sparse_layers)} of {info.num_hidden_layers} "
+            f"layers), top-{m.topk}, expert FFN {m.ffn_hidden_size}; {m.num_experts // p.ep} per EP rank "
+            f"(EP {p.ep}), expert-TP {p.tp} (= TP), expert-DP {plan['expert_dp']}"
+        )
     samples = r.prompts_per_step * r.n
     per_dp = samples // max(t.steps_per_generation, 1) // dp
     held = f"{'expert held':>14} {'non-expert held':>15}" if moe else f"{'params held':>14}"
-    lines += [f"batch: {r.prompts_per_step} prompts x {r.n} samples = {samples} per rollout step; "
-              f"{t.steps_per_generation} mini-batch(es) x {t.num_iterations} iteration(s) = {opt_steps} optimizer "
-              f"step(s) per rollout step, {opt_steps * t.steps} in {t.steps} steps",
-              f"       per DP rank: {per_dp} samples per mini-batch = {m0['micro_batches']} micro-batch(es) of "
-              f"{m0['micro_batch']}; up to {m0['seq']} tokens per sample (data.max_prompt_length or 512, + "
-              f"rollout.max_tokens {r.max_tokens})",
-              f"params: {plan['unique_total']:,} unique over all ranks (HF count; vocabulary padding and replicas "
-              f"excluded)" + (f"; {plan['unique_experts']:,} of them in experts" if moe else "")]
+    lines += [
+        f"batch: {r.prompts_per_step} prompts x {r.n} samples = {samples} per rollout step; "
+        f"{t.steps_per_generation} mini-batch(es) x {t.num_iterations} iteration(s) = {opt_steps} optimizer "
+        f"step(s) per rollout step, {opt_steps * t.steps} in {t.steps} steps",
+        f"       per DP rank: {per_dp} samples per mini-batch = {m0['micro_batches']} micro-batch(es) of "
+        f"{m0['micro_batch']}; up to {m0['seq']} tokens per sample (data.max_prompt_length or 512, + "
+        f"rollout.max_tokens {r.max_tokens})",
+        f"params: {plan['unique_total']:,} unique over all ranks (HF count; vocabulary padding and replicas "
+        f"excluded)" + (f"; {plan['unique_experts']:,} of them in experts" if moe else ""),
+    ]
     if plan["trainable"] is not None:
         lo = cfg.model.lora
-        lines.append(f"lora: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lora_targets(lo))}: "
-                     f"{plan['trainable']:,} trainable (PEFT's count), {plan['unique_total'] - plan['trainable']:,} "
-                     f"frozen; gradients and Adam state for the adapters only")
-    lines += [f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
-              f"{ATTENTION[plan['attention']]}: --plan-attention"
-              + ("; adam/dist: dense state sharded over DP x CP, expert state over expert-DP" if moe else "") + "):",
-              f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} " + (f"{'ep':>3} {'edp':>3} " if moe else "")
-              + f"{held} {'unique':>14} "
-              f"{'weights':>8} {'grads':>8} {'adam':>8} {'adam/dist':>9} {'activ.':>8} {'logits':>8} {'total':>8}"]
+        lines.append(
+            f"lora: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lora_targets(lo))}: "
+            f"{plan['trainable']:,} trainable (PEFT's count), {plan['unique_total'] - plan['trainable']:,} "
+            f"frozen; gradients and Adam state for the adapters only"
+        )
+    lines += [
+        f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
+        f"{ATTENTION[plan['attention']]}: --plan-attention"
+        + ("; adam/dist: dense state sharded over DP x CP, expert state over expert-DP" if moe else "")
+        + "):",
+        f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} "
+        + (f"{'ep':>3} {'edp':>3} " if moe else "")
+        + f"{held} {'unique':>14} "
+        f"{'weights':>8} {'grads':>8} {'adam':>8} {'adam/dist':>9} {'activ.':>8} {'logits':>8} {'total':>8}",
+    ]
     rows = plan["ranks"]
     if world > 32:  # one row per (pp, tp) class of the first replica
         rows = [x for x in rows if x["dp"] == 0 and x["cp"] == 0]
@@ -358,13 +441,17 @@ def format_plan(cfg, plan: dict) -> str:
             where += f" {x['ep']:>3} {x['edp']:>3} {x['expert_held']:>14,} {x['held'] - x['expert_held']:>15,}"
         else:
             where += f" {x['held']:>14,}"
-        lines.append(f"  {where} {x['unique']:>14,} {gb(m['weights'])} {gb(m['grads'])} {gb(m['optimizer'])} "
-                     f"{gb(m['optimizer_distributed']):>9} {gb(m['activations'])} {gb(m['logits'])} "
-                     f"{gb(m['total'])}")
+        lines.append(
+            f"  {where} {x['unique']:>14,} {gb(m['weights'])} {gb(m['grads'])} {gb(m['optimizer'])} "
+            f"{gb(m['optimizer_distributed']):>9} {gb(m['activations'])} {gb(m['logits'])} "
+            f"{gb(m['total'])}"
+        )
     peak = max(plan["ranks"], key=lambda x: x["memory"]["total"])
-    lines.append(f"largest: rank {peak['rank']} (pp {peak['pp']}) {peak['memory']['total'] / GiB:.2f} GiB "
-                 f"({'with' if t.use_distributed_optimizer else 'without'} the distributed optimizer, as configured)"
-                 f"; rollout engines not included")
+    lines.append(
+        f"largest: rank {peak['rank']} (pp {peak['pp']}) {peak['memory']['total'] / GiB:.2f} GiB "
+        f"({'with' if t.use_distributed_optimizer else 'without'} the distributed optimizer, as configured)"
+        f"; rollout engines not included"
+    )
     return "\n".join(lines)
 
 
@@ -421,8 +508,13 @@ def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:
     h, d, L, f = info.hidden_size, info.head_dim, info.num_hidden_layers, info.intermediate_size
     sparse = sum(m.sparse_layers) if m else 0  # MoE layers: a router instead of the dense MLP, experts over EP
     layer = h * d * (2 * info.num_attention_heads + 2 * info.num_key_value_heads) + 2 * h
-    dense = (info.vocab_size * h * (1 if info.tie_word_embeddings else 2) + L * layer + (L - sparse) * 3 * h * f + h
-             + (sparse * m.num_experts * h if m else 0))
+    dense = (
+        info.vocab_size * h * (1 if info.tie_word_embeddings else 2)
+        + L * layer
+        + (L - sparse) * 3 * h * f
+        + h
+        + (sparse * m.num_experts * h if m else 0)
+    )
     experts = sparse * m.num_experts * 3 * h * m.ffn_hidden_size if m else 0
     total = dense + experts
     bf16 = cfg.model.params_dtype == "bfloat16"
@@ -432,7 +524,9 @@ def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:
     if need <= have:
         return None
     ep = f" x EP{p.ep}" if p.ep > 1 else ""
-    return (f"no GPU here, and model.path={cfg.model.path!r} ({total / 1e9:.1f}B parameters) at TP{p.tp} x "
-            f"PP{p.pp}{ep} needs about {per_rank / GiB:.0f} GiB per rank for weights, gradients and Adam state, "
-            f"{need / GiB:.0f} GiB for the {local_ranks} rank(s) on this machine, which has {have / GiB:.0f} GiB; "
-            f"run it on GPUs (see --print-plan for the per-rank plan)")
+    return (
+        f"no GPU here, and model.path={cfg.model.path!r} ({total / 1e9:.1f}B parameters) at TP{p.tp} x "
+        f"PP{p.pp}{ep} needs about {per_rank / GiB:.0f} GiB per rank for weights, gradients and Adam state, "
+        f"{need / GiB:.0f} GiB for the {local_ranks} rank(s) on this machine, which has {have / GiB:.0f} GiB; "
+        f"run it on GPUs (see --print-plan for the per-rank plan)"
+    )

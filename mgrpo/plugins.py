@@ -4,6 +4,7 @@ policy losses by name (`register_reward`, `register_scheduler`, `register_env`, 
 Only explicit file paths are imported, once each, as modules named `mgrpo_plugin_<stem>`; nothing is searched for
 or loaded from the network.
 """
+
 from __future__ import annotations
 
 import importlib.util

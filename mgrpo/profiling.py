@@ -3,6 +3,7 @@
 Set MALLOC_MMAP_THRESHOLD_=131072 in the environment so freed buffers go back to the OS and RSS tracks
 live memory rather than glibc's cached heap.
 """
+
 from __future__ import annotations
 
 import threading

@@ -7,6 +7,7 @@ only by saying so (`override=True`); the object registered again (a module impor
 validation lists valid names from the same tables. A Registry is also a read/write mapping, so ms-swift's
 `multi_turns["name"] = cls` plugins keep working (and meet the same duplicate check).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -87,16 +88,19 @@ class Registry(MutableMapping):
         if old is not None and not override and _identity(old) != _identity(obj):
             raise DuplicateNameError(
                 f"{self.kind} {name!r} is registered twice: at {self._where[name]} and at {where}; register yours "
-                f"under another name, or pass override=True to replace the first")
+                f"under another name, or pass override=True to replace the first"
+            )
         self._table[name], self._where[name] = obj, where
         return obj
 
     def register(self, *names: str, override: bool = False) -> Callable:
         """`@REGISTRY.register("name", "alias")` on a function or class."""
+
         def deco(obj):
             for name in names:
                 self.add(name, obj, override, _where(obj, 2))
             return obj
+
         return deco
 
     def get(self, name: str, default: Any = None) -> Any:
@@ -108,8 +112,10 @@ class Registry(MutableMapping):
         self.load_builtins()
         key = self.aliases.get(name, name)
         if key not in self._table:
-            raise KeyError(f"{field + '=' if field else ''}{name!r}: no {self.kind} of that name is registered; "
-                           f"known: {', '.join(self.names())}")
+            raise KeyError(
+                f"{field + '=' if field else ''}{name!r}: no {self.kind} of that name is registered; "
+                f"known: {', '.join(self.names())}"
+            )
         return self._table[key]
 
     def names(self) -> list:

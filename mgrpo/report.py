@@ -8,6 +8,7 @@ equals it at every step is named in its label instead of hiding it.
 
 Reads OUTPUT_DIR/metrics.jsonl; written at the end of every run (logging.report). matplotlib, Agg backend.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,30 +19,60 @@ import sys
 from mgrpo.fsutil import JsonlLineError, read_jsonl
 
 SMOOTHING = 0.6  # exponential moving average weight of the previous value (TensorBoard-style, light)
-TIME_PHASES = ["timing/rollout", "timing/old_logprob", "timing/ref_logprob", "timing/train", "timing/sync",
-               "timing/other"]
+TIME_PHASES = [
+    "timing/rollout",
+    "timing/old_logprob",
+    "timing/ref_logprob",
+    "timing/train",
+    "timing/sync",
+    "timing/other",
+]
 
 
 def panels(keys) -> list:
     """(title, [series]) in display order; the reward panel gains one series per reward function."""
-    per_function = sorted(k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std",
-                                                                                    "reward/failed"))
-    moe = [("Experts (MoE): load balance and router agreement", ["moe/tokens_per_expert_cv", "moe/max_load_over_mean",
-                                                                   "moe/aux_loss", "moe/router_agreement"])] \
-        if any(k.startswith("moe/") for k in keys) else []
-    ahead = [("Asynchronous rollout: staleness (versions), drops, waits (s)",
-              ["async/staleness_mean", "async/staleness_max", "async/discarded", "timing/wait_rollout",
-               "timing/wait_train"])] if any(k.startswith("async/") for k in keys) else []
+    per_function = sorted(
+        k for k in keys if k.startswith("reward/") and k not in ("reward/mean", "reward/std", "reward/failed")
+    )
+    moe = (
+        [
+            (
+                "Experts (MoE): load balance and router agreement",
+                ["moe/tokens_per_expert_cv", "moe/max_load_over_mean", "moe/aux_loss", "moe/router_agreement"],
+            )
+        ]
+        if any(k.startswith("moe/") for k in keys)
+        else []
+    )
+    ahead = (
+        [
+            (
+                "Asynchronous rollout: staleness (versions), drops, waits (s)",
+                [
+                    "async/staleness_mean",
+                    "async/staleness_max",
+                    "async/discarded",
+                    "timing/wait_rollout",
+                    "timing/wait_train",
+                ],
+            )
+        ]
+        if any(k.startswith("async/") for k in keys)
+        else []
+    )
     return [
         ("Reward (mean per step)", ["reward/mean"] + per_function),
         ("Response length (tokens)", ["response_length/mean", "response_length/max"]),
         ("KL to old and reference policy (nats)", ["actor/kl_old", "actor/kl_ref"]),
         ("Entropy (nats per token)", ["actor/entropy"]),
-        ("Clip fractions (share of loss tokens)", ["actor/clip_frac", "actor/clip_frac_low", "actor/clip_frac_high",
-                                                   "actor/dual_clip_frac"]),
+        (
+            "Clip fractions (share of loss tokens)",
+            ["actor/clip_frac", "actor/clip_frac_low", "actor/clip_frac_high", "actor/dual_clip_frac"],
+        ),
         ("Gradient norm (before clipping)", ["actor/grad_norm"]),
         ("Throughput (response tokens / s)", ["perf/tokens_per_s"]),
-        *moe, *ahead,
+        *moe,
+        *ahead,
         ("Time per step (s, stacked)", TIME_PHASES),
     ]
 
@@ -88,8 +119,9 @@ def _constant(rows: list, key: str):
 
 def _equal_series(rows: list, a: str, b: str) -> bool:
     pairs = [(r.get(a), r.get(b)) for r in rows if r.get(a) is not None or r.get(b) is not None]
-    return bool(pairs) and all(x is not None and y is not None and math.isclose(float(x), float(y), abs_tol=1e-12)
-                               for x, y in pairs)
+    return bool(pairs) and all(
+        x is not None and y is not None and math.isclose(float(x), float(y), abs_tol=1e-12) for x, y in pairs
+    )
 
 
 def shown_panels(rows: list) -> tuple[list, list]:
@@ -128,29 +160,41 @@ def build_figure(rows: list, name: str | None = None):
         if title.startswith("Time per step"):
             steps = [r["step"] for r in rows]
             if present:
-                ax.stackplot(steps, *[[float(r.get(k, 0.0)) for r in rows] for k in present],
-                             labels=[k.split("/", 1)[1] for k in present], alpha=0.8)
+                ax.stackplot(
+                    steps,
+                    *[[float(r.get(k, 0.0)) for r in rows] for k in present],
+                    labels=[k.split("/", 1)[1] for k in present],
+                    alpha=0.8,
+                )
         else:
             for i, k in enumerate(present):
                 pts = [(r["step"], float(r[k])) for r in rows if k in r and r[k] is not None]
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 color, top = ("black", 3) if k == "reward/mean" else (f"C{i}", 2)
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, label=f"_raw {k}", zorder=top)
-                ax.plot(xs, smooth(ys), color=color, linewidth=2.2 if top == 3 else 1.6, label=labels.get(k, k),
-                        zorder=top)
+                ax.plot(
+                    xs, smooth(ys), color=color, linewidth=2.2 if top == 3 else 1.6, label=labels.get(k, k), zorder=top
+                )
         if present:
             ax.legend(fontsize=8, loc="best")
         else:
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
-                    color="grey")
-    for ax in list(axes.flat)[len(layout):]:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes, color="grey")
+    for ax in list(axes.flat)[len(layout) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"mgrpo run {name}: {len(rows)} steps" if name else f"mgrpo run: {len(rows)} steps", fontsize=13)
     if flat:
-        fig.text(0.01, 0.002, "constant over the run (panels left out): " + ", ".join(flat), fontsize=8,
-                 color="grey", ha="left", va="bottom", wrap=True)
+        fig.text(
+            0.01,
+            0.002,
+            "constant over the run (panels left out): " + ", ".join(flat),
+            fontsize=8,
+            color="grey",
+            ha="left",
+            va="bottom",
+            wrap=True,
+        )
     fig.tight_layout(rect=(0, 0.02 if flat else 0, 1, 1))
     return fig
 

@@ -6,6 +6,7 @@ config (each change is printed). May not: the model's shapes and vocabulary, mod
 and advantage, rollout.n and train.seed (the continued run would not be the same run), and
 train.use_distributed_optimizer (megatron-core 0.16 loads neither optimizer's state into the other).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,14 +17,33 @@ import yaml
 
 from mgrpo.checkpoint import CheckpointFolderError, read_meta, resolve
 
-FIXED = ("model.params_dtype", "algorithm.policy_loss", "algorithm.advantage", "rollout.n", "train.seed",
-         "train.use_distributed_optimizer",  # megatron-core 0.16 cannot load one optimizer's state into the other
-         "model.lora.rank", "model.lora.alpha", "model.lora.target_modules")  # the adapters' shapes and function
+FIXED = (
+    "model.params_dtype",
+    "algorithm.policy_loss",
+    "algorithm.advantage",
+    "rollout.n",
+    "train.seed",
+    "train.use_distributed_optimizer",  # megatron-core 0.16 cannot load one optimizer's state into the other
+    "model.lora.rank",
+    "model.lora.alpha",
+    "model.lora.target_modules",
+)  # the adapters' shapes and function
 FREE = {"train.steps", "model.path", "external_plugins", "rollout.remote.run_id"}  # not reported
 FREE_SECTIONS = ("checkpoint.", "logging.", "parallel.", "model.tiny")
-MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
-              "vocab_size", "tie_word_embeddings")
+MODEL_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 
 
 class ResumeError(ValueError):
@@ -59,8 +79,11 @@ def _digest(path: str) -> str | None:
 def model_differences(ckpt_dir: str, model_dir: str) -> list:
     """Shapes and vocabulary of the checkpoint's model against model.path's."""
     mine, saved = _json(os.path.join(model_dir, "config.json")), _json(os.path.join(ckpt_dir, "hf", "config.json"))
-    out = [f"{k} is {saved.get(k)} in the checkpoint and {mine.get(k)} in model.path={model_dir}"
-           for k in MODEL_KEYS if saved.get(k) != mine.get(k)]
+    out = [
+        f"{k} is {saved.get(k)} in the checkpoint and {mine.get(k)} in model.path={model_dir}"
+        for k in MODEL_KEYS
+        if saved.get(k) != mine.get(k)
+    ]
     a, b = _digest(os.path.join(ckpt_dir, "hf", "tokenizer.json")), _digest(os.path.join(model_dir, "tokenizer.json"))
     if a and b and a != b:
         out.append(f"tokenizer.json differs from model.path={model_dir}'s (another vocabulary)")
@@ -80,31 +103,44 @@ def check_resume(cfg) -> list:
         raise ResumeError([f"--resume: {exc}"]) from None
     differences, errors = model_differences(path, cfg.model.path), []
     if differences:
-        errors.append(f"--resume {path}: the checkpoint is of another model: {'; '.join(differences)}; resume with "
-                      f"the model it was trained from (or start a new run)")
+        errors.append(
+            f"--resume {path}: the checkpoint is of another model: {'; '.join(differences)}; resume with "
+            f"the model it was trained from (or start a new run)"
+        )
     try:
         with open(os.path.join(path, "config.yaml")) as f:
             saved = _flat(yaml.safe_load(f))
     except (OSError, yaml.YAMLError) as exc:
-        raise ResumeError([f"--resume: {path}/config.yaml: unreadable ({exc}); resume from another checkpoint"]) from None
+        raise ResumeError(
+            [f"--resume: {path}/config.yaml: unreadable ({exc}); resume from another checkpoint"]
+        ) from None
     now = _flat(to_dict(cfg))
     for key in FIXED:
         if key in saved and saved[key] != now.get(key):
-            errors.append(f"--resume {path}: {key}={now.get(key)!r} but the checkpoint was trained with "
-                          f"{saved[key]!r}; a resumed run keeps {key} (set it back or start a new run)")
+            errors.append(
+                f"--resume {path}: {key}={now.get(key)!r} but the checkpoint was trained with "
+                f"{saved[key]!r}; a resumed run keeps {key} (set it back or start a new run)"
+            )
     step = meta["step"]
     if not errors and step >= cfg.train.steps:
-        errors.append(f"--resume {path}: the checkpoint is at step {step} and train.steps={cfg.train.steps}: nothing "
-                      f"to train; raise train.steps above {step}")
+        errors.append(
+            f"--resume {path}: the checkpoint is at step {step} and train.steps={cfg.train.steps}: nothing "
+            f"to train; raise train.steps above {step}"
+        )
     if errors:
         raise ResumeError(errors)
     c.resume = path  # every rank loads this folder, even if `latest` moves on
-    changed = [f"{k} {saved[k]!r} -> {now.get(k)!r}" for k in sorted(saved)
-               if k not in FIXED and k not in FREE and not k.startswith(FREE_SECTIONS) and saved[k] != now.get(k)]
+    changed = [
+        f"{k} {saved[k]!r} -> {now.get(k)!r}"
+        for k in sorted(saved)
+        if k not in FIXED and k not in FREE and not k.startswith(FREE_SECTIONS) and saved[k] != now.get(k)
+    ]
     notes = [f"mgrpo: resuming from {path} (step {step}, weight version {meta['state']['weight_version']})"]
     if saved.get("train.steps") != cfg.train.steps and cfg.train.lr_schedule != "constant":
-        notes.append(f"mgrpo: resume: train.steps {saved.get('train.steps')} -> {cfg.train.steps}: the "
-                     f"{cfg.train.lr_schedule} LR schedule now ends at this run's last step")
+        notes.append(
+            f"mgrpo: resume: train.steps {saved.get('train.steps')} -> {cfg.train.steps}: the "
+            f"{cfg.train.lr_schedule} LR schedule now ends at this run's last step"
+        )
     if changed:
         notes.append("mgrpo: resume: changed since the checkpoint: " + "; ".join(changed))
     return notes

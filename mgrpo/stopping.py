@@ -8,6 +8,7 @@ Deadlines on async calls use `asyncio.timeout` (Python 3.11+): 3.11's `asyncio.w
 when it completes in the same loop iteration as a cancellation and drops the cancellation (cpython gh-86296), which
 is how asyncio's own Ctrl-C handling (a cancellation of the main task) got lost mid-rollout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,12 @@ def _now(signum, frame) -> None:
 
 def _first(signum, frame) -> None:
     signal.signal(signal.SIGINT, _now)
-    print("\nmgrpo: Ctrl-C: stopping (the step in progress is dropped; engines and an async save in flight are "
-          "closed first). Ctrl-C again to exit now", file=sys.stderr, flush=True)
+    print(
+        "\nmgrpo: Ctrl-C: stopping (the step in progress is dropped; engines and an async save in flight are "
+        "closed first). Ctrl-C again to exit now",
+        file=sys.stderr,
+        flush=True,
+    )
     raise KeyboardInterrupt
 
 

@@ -5,6 +5,7 @@ a step trains (mgrpo/rollout/producer.py).
 Engines live on global rank 0 or on the first rank of each DP replica (`rollout.engine_placement`); their
 samples reach every rank as JSON bytes, and each replica exports its weights to its own engine.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -23,8 +24,16 @@ from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
-from mgrpo.rollout.manager import (RolloutManager, adapter_sync, engine_owners, make_transport, needs_initial_weights,
-                                  owner_index, push_weights, start_engine)
+from mgrpo.rollout.manager import (
+    RolloutManager,
+    adapter_sync,
+    engine_owners,
+    make_transport,
+    needs_initial_weights,
+    owner_index,
+    push_weights,
+    start_engine,
+)
 from mgrpo.rollout.producer import RolloutProducer
 from mgrpo.validation import Validator
 
@@ -53,8 +62,14 @@ class GRPOTrainer:
         self.log = RunLogger(cfg, enabled=self.rank == 0, resume_step=self.start_step)  # cut back on resume
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
-            print("\n".join(["data: " + train_set.summary()] + (["eval: " + val_set.summary()] if val_set else [])
-                            + [describe_batching(cfg, self.dp)]), flush=True)
+            print(
+                "\n".join(
+                    ["data: " + train_set.summary()]
+                    + (["eval: " + val_set.summary()] if val_set else [])
+                    + [describe_batching(cfg, self.dp)]
+                ),
+                flush=True,
+            )
 
     def restore(self) -> int:
         """A resumed run's state from its checkpoint (models, optimizer, LR schedule, RNG, data position, weight
@@ -85,16 +100,28 @@ class GRPOTrainer:
         if not a.dynamic_sampling:
             return self.producer.batch(step, self.version)
         draw = lambda round_: self.rollout_and_score(step, round_)  # noqa: E731
-        samples, counts = collect(draw, self.cfg.rollout.prompts_per_step, unit_groups(self.cfg, self.dp),
-                                  a.max_resample_times, warn=self.rank == 0, overlong_filter=a.overlong_filter)
+        samples, counts = collect(
+            draw,
+            self.cfg.rollout.prompts_per_step,
+            unit_groups(self.cfg, self.dp),
+            a.max_resample_times,
+            warn=self.rank == 0,
+            overlong_filter=a.overlong_filter,
+        )
         return samples, counts.metrics()
 
     def sync_weights(self) -> int | None:
         """Every DP replica that has an engine exports to it (views, one copy into the engine); returns the bytes
         this rank's engine got (LoRA adapter-only sync: the adapters alone)."""
         self.version += 1
-        return push_weights(self.transport, self.actor.models(), self.version, self.owners,
-                     self.cfg.rollout.update_bucket_mb << 20, adapter_only=adapter_sync(self.cfg))
+        return push_weights(
+            self.transport,
+            self.actor.models(),
+            self.version,
+            self.owners,
+            self.cfg.rollout.update_bucket_mb << 20,
+            adapter_only=adapter_sync(self.cfg),
+        )
 
     def step(self, step: int) -> dict:
         """One step, its checkpoint included (verl's `step` timer holds its save too); `timing/step` is its wall
@@ -134,10 +161,17 @@ class GRPOTrainer:
         """The whole training state every checkpoint.save_interval steps and at the end (mgrpo/checkpoint.py)."""
         self.saver.poll()
         if self.saver.due(done_steps):
-            self.saver.save(self.actor, done_steps, {"step": done_steps, "weight_version": self.version,
-                                                     "prompts": self.prompts.state_dict(),
-                                                     "actor": self.actor.train_state(),
-                                                     "rollouts_in_flight": self.producer.settle()})
+            self.saver.save(
+                self.actor,
+                done_steps,
+                {
+                    "step": done_steps,
+                    "weight_version": self.version,
+                    "prompts": self.prompts.state_dict(),
+                    "actor": self.actor.train_state(),
+                    "rollouts_in_flight": self.producer.settle(),
+                },
+            )
 
     def fit(self) -> list:
         log, history = self.log, []

@@ -9,6 +9,7 @@ sync, so the engines generate with the weights just trained. Metrics go under `v
 
 Every generation is written to OUTPUT_DIR/val_generations.jsonl (rank 0), so any figure can be recomputed.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,15 +67,27 @@ class Validator:
     def run(self, step: int, version: int) -> dict:
         """Generate on every held-out prompt, score, and return the val/ metrics (the same on every rank)."""
         v, r, start = self.cfg.eval, self.cfg.rollout, time.perf_counter()
-        sampling = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=0,
-                                  max_tokens=v.max_tokens or r.max_tokens)
+        sampling = SamplingParams(
+            temperature=v.temperature, top_p=v.top_p, top_k=0, max_tokens=v.max_tokens or r.max_tokens
+        )
         samples = self.rollout.rollout(self.prompts.rows, step, sampling=sampling, n=v.n, tag="val-")
         if self.path:
             with open(self.path, "a") as f:
                 for s in samples:
-                    f.write(json.dumps({"step": step, "group": s.group_id, "reward": s.reward,
-                                        "rewards": s.info.get("rewards", {}), "score": sample_score(s, v.pass_reward),
-                                        "passed": passed(s, self.cfg), "finish_reason": s.finish_reason,
-                                        "weight_version": s.weight_version,
-                                        "completion": self.tokenizer.decode(s.response_ids)}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "group": s.group_id,
+                                "reward": s.reward,
+                                "rewards": s.info.get("rewards", {}),
+                                "score": sample_score(s, v.pass_reward),
+                                "passed": passed(s, self.cfg),
+                                "finish_reason": s.finish_reason,
+                                "weight_version": s.weight_version,
+                                "completion": self.tokenizer.decode(s.response_ids),
+                            }
+                        )
+                        + "\n"
+                    )
         return dict(val_metrics(samples, self.cfg, version), **{"timing/val": time.perf_counter() - start})

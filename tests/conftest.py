@@ -1,4 +1,5 @@
 """Shared fixtures: a one-process gloo world with megatron's parallel state at TP1."""
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """Process checks for tests that start engine processes."""
+
 import os
 
 import psutil

@@ -4,6 +4,7 @@ At TP2 x PP2 (4 ranks, in the shared layout launch) a step where one micro-batch
 rank's parameters, Adam's moments and step count, and the learning rates bitwise unchanged; the next step trains
 normally. With the guard off (negative control) megatron-core's optimizer steps on the NaN gradient.
 """
+
 import glob
 import json
 import os

@@ -4,10 +4,9 @@ forward are checked against a float64 log_softmax of HF's fp32 forward (toleranc
 mantissa bits), and must differ from it (the negative control: the run really is bf16)."""
 
 import torch
+from test_trainer import _rise, make_trainer
 
 from mgrpo.data.microbatch import make_microbatches
-
-from test_trainer import _rise, make_trainer
 
 
 def _inner(opt):
@@ -33,9 +32,10 @@ def test_bf16_main_job_learns_with_fp32_master_weights(single_rank, tmp_path, ti
     ref_model = AutoModelForCausalLM.from_pretrained(trainer.cfg.model.path, dtype=torch.float32)
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])
     with torch.no_grad():
-        logits = ref_model(ids).logits[0, len(sample.prompt_ids) - 1: -1].double()
+        logits = ref_model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].double()
     ref = torch.log_softmax(logits / trainer.cfg.rollout.temperature, -1).gather(
-        -1, ids[0, len(sample.prompt_ids):, None])[:, 0]
+        -1, ids[0, len(sample.prompt_ids) :, None]
+    )[:, 0]
     diff = (ours - ref).abs().max().item()
     print(f"bf16 vs fp32 logprobs: max |diff| {diff:.3e} over {len(ref)} tokens")
     assert 0 < diff < 0.05

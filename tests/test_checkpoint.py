@@ -3,6 +3,7 @@ the uninterrupted run bitwise (samples, losses, final weights) at TP1, TP2 x PP2
 optimizer (async save); SIGKILL mid-step and mid-save; a layout change on resume; refusals of bad input.
 
 CPU fp32, steps_per_generation 2 and a cosine LR schedule with warmup in every run."""
+
 import json
 import os
 import shutil
@@ -16,33 +17,87 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "launch", "train_grpo.py")
 STEPS = 6
-COMMON = ["--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--train.steps", str(STEPS),
-          "--model.tiny.num_layers", "2", "--model.tiny.hidden_size", "64", "--rollout.n", "4",
-          "--rollout.prompts_per_step", "4", "--rollout.max_tokens", "16", "--train.micro_batch_size", "4",
-          "--train.steps_per_generation", "2", "--train.lr_schedule", "cosine", "--train.warmup_steps", "3",
-          "--logging.progress_bar", "false", "--logging.completions_interval", "1",
-          "--logging.completions_token_ids", "true", "--logging.report", "false", "--logging.tensorboard", "true",
-          "--checkpoint.save_interval", "3", "--checkpoint.export_hf_at_end", "true"]
+COMMON = [
+    "--config",
+    os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+    "--train.steps",
+    str(STEPS),
+    "--model.tiny.num_layers",
+    "2",
+    "--model.tiny.hidden_size",
+    "64",
+    "--rollout.n",
+    "4",
+    "--rollout.prompts_per_step",
+    "4",
+    "--rollout.max_tokens",
+    "16",
+    "--train.micro_batch_size",
+    "4",
+    "--train.steps_per_generation",
+    "2",
+    "--train.lr_schedule",
+    "cosine",
+    "--train.warmup_steps",
+    "3",
+    "--logging.progress_bar",
+    "false",
+    "--logging.completions_interval",
+    "1",
+    "--logging.completions_token_ids",
+    "true",
+    "--logging.report",
+    "false",
+    "--logging.tensorboard",
+    "true",
+    "--checkpoint.save_interval",
+    "3",
+    "--checkpoint.export_hf_at_end",
+    "true",
+]
 UNTIMED = ("timing/", "perf/")
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "MGRPO_TEST_PAUSE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MGRPO_TEST_PAUSE")
+    }
     return {**env, **extra}
 
 
-def launch(root, name: str, *extra, nproc: int = 1, pause: str | None = None, output: str | None = None,
-           expect_rc: int = 0):
+def launch(
+    root, name: str, *extra, nproc: int = 1, pause: str | None = None, output: str | None = None, expect_rc: int = 0
+):
     """One run of the launcher (torchrun when nproc > 1) into root/name (output dir) and root/name-ckpt.
     With `pause` ("train:4" or "save:6") the run is SIGKILLed, whole process group, once the hook holds it there."""
     from mgrpo.parallel.distributed import free_port
 
     out = output or str(root / name)
-    prefix = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
-    cmd = prefix + [LAUNCHER, *COMMON, "--model.path", str(root / "model"), "--model.tiny", "--logging.output_dir", out,
-                    "--checkpoint.save_dir", str(root / f"{name}-ckpt"), *extra]
+    prefix = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+        ]
+    )
+    cmd = prefix + [
+        LAUNCHER,
+        *COMMON,
+        "--model.path",
+        str(root / "model"),
+        "--model.tiny",
+        "--logging.output_dir",
+        out,
+        "--checkpoint.save_dir",
+        str(root / f"{name}-ckpt"),
+        *extra,
+    ]
     marker = str(root / f"{name}.paused")
     if os.path.exists(marker):
         os.remove(marker)
@@ -103,8 +158,10 @@ def test_resume_at_tp1_equals_the_uninterrupted_run(runs):
     meta = json.load(open(runs / "tp1-ckpt" / "step_000003" / "mgrpo_meta.json"))
     assert meta["state"]["prompts"]["pos"] == 12 and meta["state"]["actor"]["scheduler"]["num_steps"] == 6
     size = sum(meta["files"].values())
-    print(f"tiny checkpoint (2 layers, hidden 64, + Adam state): {size / 2**20:.2f} MiB, saved in "
-          f"{meta['save_seconds']:.2f} s")
+    print(
+        f"tiny checkpoint (2 layers, hidden 64, + Adam state): {size / 2**20:.2f} MiB, saved in "
+        f"{meta['save_seconds']:.2f} s"
+    )
 
 
 def test_kill_mid_step_then_mid_save_resumes_from_the_last_complete_checkpoint(runs):
@@ -135,8 +192,9 @@ def test_kill_mid_step_then_mid_save_resumes_from_the_last_complete_checkpoint(r
 
 def test_tp2_pp2_resumes_exactly_and_at_tp1(runs):
     launch(runs, "tp2pp2", "--tp", "2", "--pp", "2", nproc=4)
-    resume_copy(runs, "tp2pp2", "tp2pp2_resumed", str(runs / "tp2pp2-ckpt" / "step_000003"), "--tp", "2", "--pp",
-                "2", nproc=4)
+    resume_copy(
+        runs, "tp2pp2", "tp2pp2_resumed", str(runs / "tp2pp2-ckpt" / "step_000003"), "--tp", "2", "--pp", "2", nproc=4
+    )
     assert_same_run(runs / "tp2pp2", runs / "tp2pp2_resumed", runs / "tp2pp2-ckpt", runs / "tp2pp2_resumed-ckpt")
     # a layout change: the TP2 x PP2 checkpoint continued at TP1 (dist_checkpointing reshards model and Adam state)
     r = launch(runs, "tp1_from_tp2pp2", "--resume", str(runs / "tp2pp2-ckpt" / "step_000003"))
@@ -167,8 +225,15 @@ def _main(argv, capsys):
 
 
 def test_bad_resume_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, capsys, tiny_dirs):
-    base = [*COMMON, "--model.path", str(runs / "model"), "--logging.output_dir", str(tmp_path / "out"),
-            "--checkpoint.save_dir", str(tmp_path / "ckpt")]
+    base = [
+        *COMMON,
+        "--model.path",
+        str(runs / "model"),
+        "--logging.output_dir",
+        str(tmp_path / "out"),
+        "--checkpoint.save_dir",
+        str(tmp_path / "ckpt"),
+    ]
     os.makedirs(tmp_path / "ckpt")
     other = tiny_dirs("resume_other", family="qwen2", vocab_size=300, hidden_size=128, num_layers=2, seed=0)
     capsys.readouterr()
@@ -180,11 +245,14 @@ def test_bad_resume_input_is_one_line_exit_2_and_writes_nothing(runs, tmp_path, 
     os.truncate(shard, os.path.getsize(shard) // 2)
     rc, err = _main(base + ["--resume", str(bad)], capsys)
     assert rc == 2 and len(err) == 1 and "__0_0.distcp" in err[0] and "truncated" in err[0], err
-    rc, err = _main(base + ["--model.path", other, "--model.tiny", "null", "--resume",
-                            str(runs / "tp1-ckpt" / "step_000003")], capsys)
+    rc, err = _main(
+        base + ["--model.path", other, "--model.tiny", "null", "--resume", str(runs / "tp1-ckpt" / "step_000003")],
+        capsys,
+    )
     assert rc == 2 and len(err) == 1 and "another model: hidden_size is 64 in the checkpoint" in err[0], err
-    rc, err = _main(base + ["--rollout.n", "8", "--train.seed", "7", "--resume",
-                            str(runs / "tp1-ckpt" / "step_000003")], capsys)
+    rc, err = _main(
+        base + ["--rollout.n", "8", "--train.seed", "7", "--resume", str(runs / "tp1-ckpt" / "step_000003")], capsys
+    )
     assert rc == 2 and len(err) == 2 and "rollout.n=8" in err[0] and "train.seed=7" in err[1], err
     rc, err = _main(base + ["--train.steps", "3", "--resume", str(runs / "tp1-ckpt" / "step_000003")], capsys)
     assert rc == 2 and len(err) == 1 and "nothing to train; raise train.steps above 3" in err[0], err

@@ -1,6 +1,7 @@
 """The async-save writer (mgrpo/checkpoint_writer.py): its snapshot is what the tensors held at save time, each rebuilt
 tensor writes only its own bytes, and a writer that died completes its save with an error instead of a hang.
 Its end-to-end check is tests/test_checkpoint.py's DP2 async-save resume, equal bitwise to the uninterrupted run."""
+
 import io
 import time
 
@@ -13,10 +14,28 @@ from mgrpo.checkpoint_writer import SpawnedWriter, rebuild, snapshot
 def buckets():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 5, generator=g)
-    return [("f0", "k0", ([("bytes-item", io.BytesIO(b"abc"))],
-                          [("w", w), ("wt", w.t()), ("h", torch.randn(7, generator=g).to(torch.bfloat16))])),
-            ("f1", "k1", ([], [("step", torch.tensor(3, dtype=torch.int64)), ("empty", torch.zeros(0, 4)),
-                               ("half", torch.randn(3, 3, generator=g).half()[:, 1])]))]
+    return [
+        (
+            "f0",
+            "k0",
+            (
+                [("bytes-item", io.BytesIO(b"abc"))],
+                [("w", w), ("wt", w.t()), ("h", torch.randn(7, generator=g).to(torch.bfloat16))],
+            ),
+        ),
+        (
+            "f1",
+            "k1",
+            (
+                [],
+                [
+                    ("step", torch.tensor(3, dtype=torch.int64)),
+                    ("empty", torch.zeros(0, 4)),
+                    ("half", torch.randn(3, 3, generator=g).half()[:, 1]),
+                ],
+            ),
+        ),
+    ]
 
 
 def test_snapshot_keeps_save_time_values_and_each_tensor_writes_only_its_bytes():
@@ -43,7 +62,7 @@ def test_views_of_the_buffer_would_write_all_of_it():
     """Negative control for the rebuild: a plain view of the shared buffer serialises the whole buffer."""
     buffer, slots = snapshot(buckets())
     offset, dtype, shape = slots[0][2][1][0][1]
-    view = buffer[offset: offset + 30 * 4].view(dtype).view(shape)
+    view = buffer[offset : offset + 30 * 4].view(dtype).view(shape)
     out = io.BytesIO()
     torch.save(view, out)
     assert len(out.getvalue()) >= buffer.numel()

@@ -1,4 +1,5 @@
 """Config loading, flag overrides, and validation that lists every error with the field and the fix."""
+
 import json
 import os
 import subprocess
@@ -30,15 +31,31 @@ def data_file(tmp_path):
 
 def test_yaml_and_flags(tmp_path, data_file):
     path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}, "rollout": {"n": 2}})
-    cfg = load_config(argv=["--config", path, "--tp", "2", "--pp", "2", "--vpp", "2", "--rollout.n", "8",
-                            "--algorithm.epsilon_high=0.28", "--sp"])
+    cfg = load_config(
+        argv=[
+            "--config",
+            path,
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--rollout.n",
+            "8",
+            "--algorithm.epsilon_high=0.28",
+            "--sp",
+        ]
+    )
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.sp) == (2, 2, 2, True)
     assert cfg.rollout.n == 8 and cfg.algorithm.epsilon_high == 0.28
 
 
 def test_unknown_keys_suggest_and_all_errors_listed(tmp_path, data_file):
-    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file},
-                                 "rollout": {"temprature": 0.7}, "paralel": {"tp": 2}})
+    path = write_yaml(
+        tmp_path,
+        {"model": {"path": "m"}, "data": {"path": data_file}, "rollout": {"temprature": 0.7}, "paralel": {"tp": 2}},
+    )
     with pytest.raises(ConfigError) as e:
         load_config(argv=["--config", path, "--rollout.n", "two"])
     msg = str(e.value)
@@ -50,7 +67,9 @@ def test_unknown_keys_suggest_and_all_errors_listed(tmp_path, data_file):
 
 def test_overrides_parse():
     assert parse_overrides(["--config", "x.yaml", "--cp", "2", "--rollout.n", "8"]) == (
-        "x.yaml", {"parallel": {"cp": 2}, "rollout": {"n": 8}})
+        "x.yaml",
+        {"parallel": {"cp": 2}, "rollout": {"n": 8}},
+    )
     assert load_config(argv=["--train.lr", "1e-5", "--model.path", "m"], check_files=False).train.lr == 1e-5
     with pytest.raises(ConfigError, match="unknown flag --bogus"):
         parse_overrides(["--bogus", "1"])
@@ -87,16 +106,42 @@ def run_launch(args, world_size=1):
     """The launcher as torchrun's rank 0 would start it; validation fails before any group is created."""
     from mgrpo.parallel.distributed import free_port
 
-    env = dict(os.environ, RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    return subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=120)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    return subprocess.run(
+        [sys.executable, LAUNCH, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
 
 
-@pytest.mark.parametrize("case", ["tp_heads", "pp_layers", "world", "arch", "tied_pp", "yaml_key", "missing_data",
-                                  "row_without_prompt", "dp_divisible", "missing_shard", "clip_ratio_c",
-                                  "pp_micro_batch", "lr_negative", "lr_zero", "ep_dense", "typo_model_path",
-                                  "tau_neg", "entropy_quantile"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tp_heads",
+        "pp_layers",
+        "world",
+        "arch",
+        "tied_pp",
+        "yaml_key",
+        "missing_data",
+        "row_without_prompt",
+        "dp_divisible",
+        "missing_shard",
+        "clip_ratio_c",
+        "pp_micro_batch",
+        "lr_negative",
+        "lr_zero",
+        "ep_dense",
+        "typo_model_path",
+        "tau_neg",
+        "entropy_quantile",
+    ],
+)
 def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dirs):
     model = tiny_dirs("launch_qwen2", family="qwen2", num_layers=2)
     data = tmp_path / "d.jsonl"
@@ -133,8 +178,10 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     elif case == "clip_ratio_c":
         args, expect = ["--algorithm.clip_ratio_c", "0.8"], "algorithm.clip_ratio_c=0.8 must be > 1"
     elif case == "pp_micro_batch":
-        args, world = ["--pp", "2", "--rollout.prompts_per_step", "4", "--rollout.n", "4",
-                       "--train.micro_batch_size", "5"], 2
+        args, world = (
+            ["--pp", "2", "--rollout.prompts_per_step", "4", "--rollout.n", "4", "--train.micro_batch_size", "5"],
+            2,
+        )
         expect = "train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 16 samples"
     elif case in ("lr_negative", "lr_zero"):  # its own message, not warmup_steps' or min_lr's
         value = "-1" if case == "lr_negative" else "0"
@@ -178,11 +225,25 @@ def test_flags_beat_presets(tmp_path, data_file):
     from mgrpo.config import describe_algorithm
 
     path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
-    cfg = load_config(argv=["--config", path, "--algorithm.loss_type", "dapo", "--algorithm.epsilon_high", "0.35",
-                            "--algorithm.aggregation", "seq-mean-token-mean"])
+    cfg = load_config(
+        argv=[
+            "--config",
+            path,
+            "--algorithm.loss_type",
+            "dapo",
+            "--algorithm.epsilon_high",
+            "0.35",
+            "--algorithm.aggregation",
+            "seq-mean-token-mean",
+        ]
+    )
     a = cfg.algorithm
-    assert (a.aggregation, a.epsilon_high, a.epsilon_low, a.policy_loss) == ("seq-mean-token-mean", 0.35, 0.2,
-                                                                             "ppo_clip")
+    assert (a.aggregation, a.epsilon_high, a.epsilon_low, a.policy_loss) == (
+        "seq-mean-token-mean",
+        0.35,
+        0.2,
+        "ppo_clip",
+    )
     text = describe_algorithm(cfg)
     assert "epsilon_high           0.35" in text and "(flag)" in text
     assert "epsilon_low            0.2                      (preset dapo)" in text
@@ -196,9 +257,16 @@ def test_flags_beat_presets(tmp_path, data_file):
     assert cfg.algorithm.epsilon_high is None and cfg.algorithm.aggregation == "seq-mean-token-mean"
 
 
-@pytest.mark.parametrize("loss,expect", [("gspo", "seq-mean-token-mean"), ("gspo_token", "seq-mean-token-mean"),
-                                         ("ppo_clip", "token-mean"), ("cispo", "token-mean"),
-                                         ("sapo", "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+    "loss,expect",
+    [
+        ("gspo", "seq-mean-token-mean"),
+        ("gspo_token", "seq-mean-token-mean"),
+        ("ppo_clip", "token-mean"),
+        ("cispo", "token-mean"),
+        ("sapo", "seq-mean-token-mean"),
+    ],
+)
 def test_each_policy_loss_brings_its_aggregation(tmp_path, data_file, loss, expect):
     """GSPO is sequence-level (its paper, eq. 5; verl's compute_policy_loss_gspo): with no aggregation set it runs
     seq-mean-token-mean, not the global token-mean it inherited before (the negative control: that value fails the
@@ -212,8 +280,9 @@ def test_each_policy_loss_brings_its_aggregation(tmp_path, data_file, loss, expe
     assert f"aggregation            {expect:<24} ({loss}'s default)" in header
     for field in ("policy_loss", "rollout_is_mode", "kl_estimator"):
         assert f"\n  {field} " in header, field
-    cfg = load_config(argv=["--config", path, "--algorithm.policy_loss", loss, "--algorithm.aggregation",
-                            "seq-mean-token-sum"])
+    cfg = load_config(
+        argv=["--config", path, "--algorithm.policy_loss", loss, "--algorithm.aggregation", "seq-mean-token-sum"]
+    )
     assert cfg.algorithm.aggregation == "seq-mean-token-sum"
     assert "aggregation            seq-mean-token-sum       (flag)" in describe_algorithm(cfg)
 
@@ -221,8 +290,14 @@ def test_each_policy_loss_brings_its_aggregation(tmp_path, data_file, loss, expe
 def test_yaml_beats_preset_and_flag_beats_yaml(tmp_path, data_file):
     from mgrpo.config import describe_algorithm
 
-    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file},
-                                 "algorithm": {"loss_type": "dapo", "epsilon_high": 0.3, "aggregation": "token-mean"}})
+    path = write_yaml(
+        tmp_path,
+        {
+            "model": {"path": "m"},
+            "data": {"path": data_file},
+            "algorithm": {"loss_type": "dapo", "epsilon_high": 0.3, "aggregation": "token-mean"},
+        },
+    )
     cfg = load_config(argv=["--config", path, "--algorithm.aggregation", "seq-mean-token-sum"])
     assert cfg.algorithm.epsilon_high == 0.3 and cfg.algorithm.aggregation == "seq-mean-token-sum"
     text = describe_algorithm(cfg)
@@ -235,22 +310,51 @@ def test_yaml_beats_preset_and_flag_beats_yaml(tmp_path, data_file):
 def test_algorithm_numbers_all_reported_at_once(tmp_path, data_file):
     path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
     with pytest.raises(ConfigError) as e:
-        load_config(argv=["--config", path, "--algorithm.clip_ratio_c", "1.0", "--algorithm.epsilon_low", "1.0",
-                          "--algorithm.epsilon_high", "-0.1", "--algorithm.kl_coef", "-0.01",
-                          "--algorithm.rollout_is_mode", "tis", "--algorithm.rollout_is_threshold", "2.0",
-                          "--algorithm.rollout_is_lower", "2.0"])
+        load_config(
+            argv=[
+                "--config",
+                path,
+                "--algorithm.clip_ratio_c",
+                "1.0",
+                "--algorithm.epsilon_low",
+                "1.0",
+                "--algorithm.epsilon_high",
+                "-0.1",
+                "--algorithm.kl_coef",
+                "-0.01",
+                "--algorithm.rollout_is_mode",
+                "tis",
+                "--algorithm.rollout_is_threshold",
+                "2.0",
+                "--algorithm.rollout_is_lower",
+                "2.0",
+            ]
+        )
     fields = ["clip_ratio_c=1.0", "epsilon_low=1.0", "epsilon_high=-0.1", "kl_coef=-0.01", "rollout_is_lower=2.0"]
     assert len(e.value.errors) == len(fields)
     for f, line in zip(fields, e.value.errors):
         assert f"algorithm.{f}" in line and "use" in line
-    with pytest.raises(ConfigError, match=r"algorithm.epsilon_high=1.0 is CISPO's absolute cap on the ratio and must "
-                                          r"be > 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.epsilon_high=1.0 is CISPO's absolute cap on the ratio and must "
+        r"be > 1",
+    ):
         load_config(argv=["--config", path, "--algorithm.loss_type", "cispo", "--algorithm.epsilon_high", "1.0"])
     # the preset's own values pass, and valid numbers are not flagged
     for preset in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
         load_config(argv=["--config", path, "--algorithm.loss_type", preset])
-    load_config(argv=["--config", path, "--algorithm.clip_ratio_c", "3.0", "--algorithm.epsilon_low", "0",
-                      "--algorithm.rollout_is_lower", "0.5"])
+    load_config(
+        argv=[
+            "--config",
+            path,
+            "--algorithm.clip_ratio_c",
+            "3.0",
+            "--algorithm.epsilon_low",
+            "0",
+            "--algorithm.rollout_is_lower",
+            "0.5",
+        ]
+    )
 
 
 def test_pp_micro_batch_must_divide_the_dp_batch(tiny_dirs, data_file, tmp_path):
@@ -259,9 +363,11 @@ def test_pp_micro_batch_must_divide_the_dp_batch(tiny_dirs, data_file, tmp_path)
     argv = ["--config", path, "--pp", "2", "--rollout.prompts_per_step", "6", "--rollout.n", "2"]
     bad = load_config(argv=argv + ["--train.micro_batch_size", "5"])
     errs = validate_layout(bad, info, world_size=4, cuda=False)  # DP 2: 6 samples per DP rank
-    assert errs == ["train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 6 samples "
-                    "(prompts_per_step x n / steps_per_generation / DP); with parallel.pp > 1 every micro-batch "
-                    "must have the same size: use a divisor such as 3"]
+    assert errs == [
+        "train.micro_batch_size=5 does not divide the per-DP-rank mini-batch of 6 samples "
+        "(prompts_per_step x n / steps_per_generation / DP); with parallel.pp > 1 every micro-batch "
+        "must have the same size: use a divisor such as 3"
+    ]
     for ok in ("3", "6", "8"):  # 8 > 6: one micro-batch of 6
         assert not validate_layout(load_config(argv=argv + ["--train.micro_batch_size", ok]), info, 4, False)
     no_pp = [a for a in argv if a not in ("--pp", "2")] + ["--rollout.n", "2", "--train.micro_batch_size", "5"]
@@ -282,14 +388,33 @@ def test_every_example_config_loads_and_validates():
 def test_scheduler_fields_all_reported_at_once(tmp_path, data_file):
     path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
     with pytest.raises(ConfigError) as e:
-        load_config(argv=["--config", path, "--rollout.scheduler", "gyms", "--rollout.max_turns", "0",
-                          "--rollout.max_concurrent", "0", "--rollout.max_total_tokens", "1"])
+        load_config(
+            argv=[
+                "--config",
+                path,
+                "--rollout.scheduler",
+                "gyms",
+                "--rollout.max_turns",
+                "0",
+                "--rollout.max_concurrent",
+                "0",
+                "--rollout.max_total_tokens",
+                "1",
+            ]
+        )
     assert len(e.value.errors) == 4
     assert "rollout.scheduler='gyms' is unknown; did you mean 'gym'?" in e.value.errors[0]
     for field, line in zip(("max_turns=0", "max_concurrent=0", "max_total_tokens=1"), e.value.errors[1:]):
         assert f"rollout.{field}" in line
-    for name in ("gym", "gym_scheduler", "tool_call", "tool_call_scheduler", "math_tips", "math_tip_trick",
-                 "single_turn"):
+    for name in (
+        "gym",
+        "gym_scheduler",
+        "tool_call",
+        "tool_call_scheduler",
+        "math_tips",
+        "math_tip_trick",
+        "single_turn",
+    ):
         assert load_config(argv=["--config", path, "--rollout.scheduler", name]).rollout.scheduler == name
 
 

@@ -1,6 +1,7 @@
 """SAPO with the top-entropy token mask and per-token entropies in completions.jsonl, through the trainer itself
 (one in-process run): the flags reach the loss, the mask keeps about the asked share, the run header names both
 sources, and the logged entropies equal HF transformers' own entropy of the same tokens at the rollout weights."""
+
 import json
 
 import pytest
@@ -11,17 +12,35 @@ Q = 0.2
 
 @pytest.fixture(scope="module")
 def run(single_rank, tiny_dirs, tmp_path_factory):
+    from run_configs import tiny_run_config
+
     from mgrpo.config import describe_algorithm
     from mgrpo.trainer import GRPOTrainer
-    from run_configs import tiny_run_config
 
     out = tmp_path_factory.mktemp("entropy") / "run"
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
     cfg = tiny_run_config(
-        model, out, "--train.steps", "2", "--logging.report", "false", "--logging.tensorboard", "false",
-        "--logging.completions_interval", "1", "--logging.log_entropy", "true", "--logging.completions_token_ids",
-        "true", "--algorithm.loss_type", "sapo", "--algorithm.top_entropy_quantile", str(Q),
-        "--rollout.temperature", "0.9")
+        model,
+        out,
+        "--train.steps",
+        "2",
+        "--logging.report",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.completions_interval",
+        "1",
+        "--logging.log_entropy",
+        "true",
+        "--logging.completions_token_ids",
+        "true",
+        "--algorithm.loss_type",
+        "sapo",
+        "--algorithm.top_entropy_quantile",
+        str(Q),
+        "--rollout.temperature",
+        "0.9",
+    )
     history = GRPOTrainer(cfg).fit()
     rows = [json.loads(line) for line in open(out / "completions.jsonl")]
     return cfg, model, history, rows, describe_algorithm(cfg)
@@ -37,7 +56,7 @@ def _hf_entropies(model, rows, temperature) -> list:
         ids, n = torch.tensor([r["prompt_ids"] + r["response_ids"]]), len(r["prompt_ids"])
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits[0] / temperature, -1)
-        out.append((-(logp.exp() * logp).sum(-1))[n - 1: n - 1 + len(r["response_ids"])])
+        out.append((-(logp.exp() * logp).sum(-1))[n - 1 : n - 1 + len(r["response_ids"])])
     return out
 
 
@@ -75,7 +94,7 @@ def test_logged_token_entropies_equal_hf_at_the_rollout_weights(run):
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits[0].double() / cfg.rollout.temperature, -1)
         ent = -(logp.exp() * logp).sum(-1)  # position p predicts token p + 1
-        want = ent[n_prompt - 1: n_prompt - 1 + len(r["response_ids"])]
+        want = ent[n_prompt - 1 : n_prompt - 1 + len(r["response_ids"])]
         got = r["token_entropy"]
         assert len(got) == len(r["response_ids"])
         for j, v in enumerate(got):

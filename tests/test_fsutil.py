@@ -1,4 +1,5 @@
 """Atomic folder replacement (checkpoints, HF exports): a kill at any point leaves a complete folder."""
+
 import os
 
 import pytest
@@ -66,5 +67,6 @@ def test_a_kill_at_any_step_leaves_a_complete_folder(tmp_path, monkeypatch, kill
         replace_dir(str(tmp_path / "out.tmp"), str(tmp_path / "out"), exchange=kill_at in ("exchange", "delete"))
     # the old order (delete, then rename) fails this at "first_rename": no complete folder is left anywhere
     where = {p: _read(tmp_path / p) for p in os.listdir(tmp_path)}
-    assert where.get("out") in ("old", "new") or any(p.startswith("out.old-") and v == "old"
-                                                     for p, v in where.items()), where
+    assert where.get("out") in ("old", "new") or any(
+        p.startswith("out.old-") and v == "old" for p, v in where.items()
+    ), where

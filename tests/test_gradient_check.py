@@ -16,6 +16,7 @@ TP2xPP2 and the other layouts to this TP1 gradient.
 Negative controls, each shown to fail the same comparison: the reference with the advantage's sign flipped, and
 the reference without the loss mask.
 """
+
 import pytest
 import torch
 
@@ -39,8 +40,9 @@ def setup(single_rank, tiny_dirs):
 
     hf.model.rotary_emb.forward = rope64
     for norm in (m for m in hf.modules() if type(m).__name__.endswith("RMSNorm")):  # HF's computes in float32
-        norm.forward = lambda x, norm=norm: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                                                            + norm.variance_epsilon))
+        norm.forward = lambda x, norm=norm: (
+            norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+        )
     g = torch.Generator().manual_seed(0)
     samples = []
     for i, (n_prompt, n_resp) in enumerate([(5, 10), (7, 6), (4, 11), (6, 8)]):
@@ -51,8 +53,14 @@ def setup(single_rank, tiny_dirs):
         if i == 2:
             mask[3:6] = [0, 0, 0]  # an environment reply inside the response
         noise = (torch.rand(n_resp, generator=g, dtype=torch.float64) - 0.5) * 0.8
-        samples.append(Sample(prompt_ids=ids[:n_prompt], response_ids=ids[n_prompt:], loss_mask=mask,
-                              rollout_logprobs=(logp + noise).float().double().tolist()))
+        samples.append(
+            Sample(
+                prompt_ids=ids[:n_prompt],
+                response_ids=ids[n_prompt:],
+                loss_mask=mask,
+                rollout_logprobs=(logp + noise).float().double().tolist(),
+            )
+        )
     # inputs the micro-batches hold exactly (they are float32 there): old logprobs rounded to float32, advantages
     # that are binary fractions, and 32 loss tokens, so the token-mean weight 1/32 is exact too
     assert sum(sum(s.loss_mask) for s in samples) == 32
@@ -72,7 +80,7 @@ def _hf_logprobs(hf, ids: list, n_prompt: int) -> torch.Tensor:
     logits = hf(torch.tensor([ids])).logits[0].double() / T
     logp = torch.log_softmax(logits, -1)
     targets = torch.tensor(ids[n_prompt:])
-    return logp[n_prompt - 1: len(ids) - 1].gather(1, targets[:, None])[:, 0]
+    return logp[n_prompt - 1 : len(ids) - 1].gather(1, targets[:, None])[:, 0]
 
 
 def _reference_grads(hf, samples, advantages, sign: float = 1.0, use_mask: bool = True) -> dict:
@@ -103,8 +111,19 @@ def mgrpo_grads(setup):
     from mgrpo.resharding.export import full_hf_tensors
 
     model, _, samples, advantages = setup
-    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--rollout.temperature", str(T),
-                            "--train.micro_batch_size", "4"], check_files=False)
+    cfg = load_config(
+        argv=[
+            "--model.path",
+            model,
+            "--data.path",
+            "x.jsonl",
+            "--rollout.temperature",
+            str(T),
+            "--train.micro_batch_size",
+            "4",
+        ],
+        check_files=False,
+    )
     cfg.model.params_dtype = "float64"  # not a training setting: this check's precision
     actor = Actor(cfg, model)
     gpt = actor.models()[0]

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source (nothing is imported): no circles but a registry importing
 its members, no `_private` name imported across modules, and the rollout wing's rooms kept apart."""
+
 import ast
 import os
 
@@ -7,8 +8,13 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mgrpo")
 # modules that import their members so the members can register themselves with them
-REGISTRIES = {"mgrpo.rollout.engine", "mgrpo.models.registry", "mgrpo.rewards.registry",
-              "mgrpo.schedulers.registry", "mgrpo.loss.registry"}
+REGISTRIES = {
+    "mgrpo.rollout.engine",
+    "mgrpo.models.registry",
+    "mgrpo.rewards.registry",
+    "mgrpo.schedulers.registry",
+    "mgrpo.loss.registry",
+}
 
 
 def modules(root: str = ROOT) -> dict:
@@ -100,28 +106,60 @@ def test_no_import_circles_but_registries_and_their_members(graph):
 
 def test_the_circle_check_finds_a_circle():
     """Negative control: the server -> child -> worker -> server circle this layout removed is found."""
-    g = {"a.server": {("a.child", "x")}, "a.child": {("a.worker", None)}, "a.worker": {("a.server", "y")},
-         "a.registry": {("a.member", None)}, "a.member": {("a.registry", "register")}}
+    g = {
+        "a.server": {("a.child", "x")},
+        "a.child": {("a.worker", None)},
+        "a.worker": {("a.server", "y")},
+        "a.registry": {("a.member", None)},
+        "a.member": {("a.registry", "register")},
+    }
     assert circles(g, registries={"a.registry"}) == [["a.child", "a.server", "a.worker"]]
 
 
 def test_no_private_names_imported_across_modules(graph):
-    private = sorted(f"{m} imports {name} from {target}" for m, deps in graph.items()
-                     for target, name in deps if name and name.startswith("_"))
+    private = sorted(
+        f"{m} imports {name} from {target}"
+        for m, deps in graph.items()
+        for target, name in deps
+        if name and name.startswith("_")
+    )
     assert private == []
 
 
-@pytest.mark.parametrize("room, forbidden", [
-    ("mgrpo.rollout.transports", ("mgrpo.rollout.engines", "mgrpo.rollout.manager", "mgrpo.rollout.serving.server",
-                                  "mgrpo.rollout.serving.vllm_child", "mgrpo.rollout.serving.vllm_worker")),
-    ("mgrpo.rollout.engines", ("mgrpo.rollout.serving.server", "mgrpo.rollout.serving.vllm_child",
-                               "mgrpo.rollout.serving.vllm_worker", "mgrpo.rollout.manager")),
-    ("mgrpo.rollout.serving", ("mgrpo.rollout.engines", "mgrpo.rollout.manager")),
-    ("mgrpo.resharding.bucket", ("mgrpo",)),
-])
+@pytest.mark.parametrize(
+    "room, forbidden",
+    [
+        (
+            "mgrpo.rollout.transports",
+            (
+                "mgrpo.rollout.engines",
+                "mgrpo.rollout.manager",
+                "mgrpo.rollout.serving.server",
+                "mgrpo.rollout.serving.vllm_child",
+                "mgrpo.rollout.serving.vllm_worker",
+            ),
+        ),
+        (
+            "mgrpo.rollout.engines",
+            (
+                "mgrpo.rollout.serving.server",
+                "mgrpo.rollout.serving.vllm_child",
+                "mgrpo.rollout.serving.vllm_worker",
+                "mgrpo.rollout.manager",
+            ),
+        ),
+        ("mgrpo.rollout.serving", ("mgrpo.rollout.engines", "mgrpo.rollout.manager")),
+        ("mgrpo.resharding.bucket", ("mgrpo",)),
+    ],
+)
 def test_rollout_rooms(graph, room, forbidden):
     """Transports, engines and what runs in an engine's process depend on each other only one way: an engine
     starts its serving process by name, never imports it; a transport knows no engine's internals."""
-    bad = sorted(f"{m} -> {t}" for m, deps in graph.items() if m == room or m.startswith(room + ".")
-                 for t, _ in deps if any(t == f or t.startswith(f + ".") for f in forbidden))
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, deps in graph.items()
+        if m == room or m.startswith(room + ".")
+        for t, _ in deps
+        if any(t == f or t.startswith(f + ".") for f in forbidden)
+    )
     assert bad == []

@@ -1,22 +1,51 @@
 """Every sink gets the same keys: metrics.jsonl, TensorBoard event files (read back with TensorBoard's own reader)
 and a wandb offline run (read back from its .wandb file); plus config.yaml, completions.jsonl and report.png."""
+
 import json
 import os
 
 import pytest
 import yaml
-
 from wandb_offline import read_history
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
-EXPECTED = ["reward/mean", "reward/std", "reward/token_fraction", "response_length/mean", "response_length/max",
-            "response_length/clip_ratio", "prompt_length/mean", "actor/entropy", "actor/kl_old", "actor/kl_ref",
-            "actor/clip_frac", "actor/clip_frac_low", "actor/clip_frac_high", "actor/grad_norm", "actor/lr",
-            "actor/loss", "perf/tokens_per_s", "timing/rollout", "timing/old_logprob", "timing/ref_logprob",
-            "timing/train", "timing/sync", "timing/save", "timing/other", "timing/step", "weight_version"]
-VAL = ["val/pass@1", "val/pass@2", "val/reward/mean", "val/reward/token_fraction", "val/response_length/mean",
-       "timing/val"]  # validation after the last step only
+EXPECTED = [
+    "reward/mean",
+    "reward/std",
+    "reward/token_fraction",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "actor/entropy",
+    "actor/kl_old",
+    "actor/kl_ref",
+    "actor/clip_frac",
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/loss",
+    "perf/tokens_per_s",
+    "timing/rollout",
+    "timing/old_logprob",
+    "timing/ref_logprob",
+    "timing/train",
+    "timing/sync",
+    "timing/save",
+    "timing/other",
+    "timing/step",
+    "weight_version",
+]
+VAL = [
+    "val/pass@1",
+    "val/pass@2",
+    "val/reward/mean",
+    "val/reward/token_fraction",
+    "val/response_length/mean",
+    "timing/val",
+]  # validation after the last step only
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +56,41 @@ def run_dir(single_rank, tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("logging") / "run"
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
     os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(out), "--logging.progress_bar", "false", "--train.steps", str(STEPS),
-        "--logging.tensorboard", "true", "--logging.wandb.mode", "offline", "--logging.wandb.project", "mgrpo-test",
-        "--logging.completions_interval", "1", "--algorithm.kl_coef", "0.01", "--eval.interval", "5",
-        "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.n", "2", "--eval.temperature", "1",
-        "--eval.k", "[2]"])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+            "--logging.output_dir",
+            str(out),
+            "--logging.progress_bar",
+            "false",
+            "--train.steps",
+            str(STEPS),
+            "--logging.tensorboard",
+            "true",
+            "--logging.wandb.mode",
+            "offline",
+            "--logging.wandb.project",
+            "mgrpo-test",
+            "--logging.completions_interval",
+            "1",
+            "--algorithm.kl_coef",
+            "0.01",
+            "--eval.interval",
+            "5",
+            "--eval.path",
+            os.path.join(ROOT, "examples/data/tiny_val.jsonl"),
+            "--eval.n",
+            "2",
+            "--eval.temperature",
+            "1",
+            "--eval.k",
+            "[2]",
+        ],
+    )
     cfg.model.tiny = None
     history = GRPOTrainer(cfg).fit()
     return str(out), history
@@ -111,8 +168,11 @@ def test_warnings_print_above_the_progress_bar(tmp_path, capsys):
     from mgrpo.config import load_config
     from mgrpo.logging import RunLogger
 
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.tensorboard", "false"], check_files=False)
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        ["--logging.output_dir", str(tmp_path / "run"), "--logging.tensorboard", "false"],
+        check_files=False,
+    )
     before = list(logging.getLogger("mgrpo").handlers)
     log = RunLogger(cfg, enabled=True)
     try:

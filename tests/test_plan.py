@@ -2,6 +2,7 @@
 group, one process), MoE ones at layouts with EP (experts owned per EP rank, once per expert-DP group); layouts
 that do not divide give the launch's one-line errors; the 72B example plans for 16 ranks and stops with one line
 when launched for real without a GPU; the Qwen3-30B-A3B example plans EP8 on 8 ranks."""
+
 import json
 import os
 import subprocess
@@ -10,40 +11,125 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, rope_theta=1e6,
-             max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+QWEN2 = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=152064,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
 SHAPES = {  # the published config.json fields that decide the parameter count
-    "qwen2.5-7b": dict(QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4),
-    "qwen2.5-72b": dict(QWEN2, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8),
-    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192, rope_type="llama3")),
-    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
-                     tie_word_embeddings=False, attention_bias=False, hidden_act="silu"),
+    "qwen2.5-7b": dict(
+        QWEN2,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
+    "qwen2.5-72b": dict(
+        QWEN2,
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_scaling=dict(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+            rope_type="llama3",
+        ),
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+    ),
 }
-QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, head_dim=128,
-                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-                 mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
-                 tie_word_embeddings=False, hidden_act="silu", attention_bias=False, router_aux_loss_coef=0.001)
-SHAPES.update({
-    "qwen3-30b-a3b": dict(QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4),
-    "qwen3-235b-a22b": dict(QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
-})
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    router_aux_loss_coef=0.001,
+)
+SHAPES.update(
+    {
+        "qwen3-30b-a3b": dict(
+            QWEN3_MOE,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+        ),
+        "qwen3-235b-a22b": dict(
+            QWEN3_MOE,
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+        ),
+    }
+)
 # (tp, pp) on tp x pp x 2 ranks (PP1) or tp x pp; MoE: (tp, pp, ep, world, sp), expert-DP = world / (tp x ep x pp)
 EP_LAYOUTS = [(1, 1, 8, 8, False), (2, 1, 4, 8, True), (1, 2, 4, 8, False)]  # expert-DP 1
-LAYOUTS = {"qwen2.5-7b": [(4, 2), (2, 1)],  # 28 heads: TP8 does not divide (tested below)
-           "qwen2.5-72b": [(8, 2), (2, 1)], "llama-3.1-8b": [(8, 2), (2, 1)], "qwen3-8b": [(8, 2), (2, 1)],
-           "qwen3-30b-a3b": EP_LAYOUTS + [(1, 1, 4, 16, False)],  # expert-DP 4: expert replicas count once
-           "qwen3-235b-a22b": EP_LAYOUTS}
+LAYOUTS = {
+    "qwen2.5-7b": [(4, 2), (2, 1)],  # 28 heads: TP8 does not divide (tested below)
+    "qwen2.5-72b": [(8, 2), (2, 1)],
+    "llama-3.1-8b": [(8, 2), (2, 1)],
+    "qwen3-8b": [(8, 2), (2, 1)],
+    "qwen3-30b-a3b": EP_LAYOUTS + [(1, 1, 4, 16, False)],  # expert-DP 4: expert replicas count once
+    "qwen3-235b-a22b": EP_LAYOUTS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +170,14 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def counts(configs):
     """One process without a process group (the plan builds under torch's fake one): HF's count and each plan's."""
-    proc = subprocess.run([sys.executable, "-c", COUNT, str(configs), json.dumps(LAYOUTS)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNT, str(configs), json.dumps(LAYOUTS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,16 +193,24 @@ def test_unique_parameters_over_ranks_equal_hf(counts, name):
         print(f"{name} TP{p['tp']}xPP{p['pp']}{ep} on {p['world']} ranks{edp}: {p['unique']:,} = HF {want:,}")
     if "moe" in SHAPES[name]["model_type"]:
         cfg = SHAPES[name]
-        experts = (cfg["num_hidden_layers"] * cfg["num_experts"] * 3 * cfg["hidden_size"]
-                   * cfg["moe_intermediate_size"])
+        experts = cfg["num_hidden_layers"] * cfg["num_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
         assert all(p["experts"] == experts for p in counts[name]["plans"]), counts[name]["plans"]
 
 
 def launch(*args, timeout=120):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "launch/train_grpo.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return subprocess.run(
+        [sys.executable, "launch/train_grpo.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_72b_example_plans_16_ranks_and_stops_with_one_line_without_a_gpu():
@@ -136,8 +235,9 @@ def test_the_72b_lora_example_counts_peft_trainable_parameters_on_8_ranks():
     proc = launch("--config", "examples/qwen72b-lora.yaml", "--print-plan", "--world-size", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
-            os.path.join(ROOT, "examples", "model_configs", "Qwen2.5-72B-Instruct")))
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(os.path.join(ROOT, "examples", "model_configs", "Qwen2.5-72B-Instruct"))
+        )
         peft = get_peft_model(hf, LoraConfig(r=64, lora_alpha=128, target_modules="all-linear"))
     want = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     out = proc.stdout
@@ -178,8 +278,9 @@ def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
     from mgrpo.config import ConfigError, load_config
     from mgrpo.plan import print_plan
 
-    with pytest.raises(ConfigError, match="parallel.tp=8 does not divide num_attention_heads=28 and "
-                                          "num_key_value_heads=4"):
+    with pytest.raises(
+        ConfigError, match="parallel.tp=8 does not divide num_attention_heads=28 and num_key_value_heads=4"
+    ):
         print_plan(["--config", "examples/qwen72b.yaml", "--model.path", str(configs / "qwen2.5-7b")], 16)
     with pytest.raises(ConfigError, match="world size 24 is not divisible by tp x pp x cp = 16"):
         print_plan(["--config", "examples/qwen72b.yaml"], 24)
@@ -190,9 +291,14 @@ def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
 def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
     """The tiny model at TP1 on a batch not used to choose the estimate's terms (benchmarks/memory_plan.py runs
     the ~100M model and TP2 x PP2 as well)."""
-    proc = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--models", "tiny", "--layouts", "1x1",
-                           "--batches", "quick"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/memory_plan.py", "--models", "tiny", "--layouts", "1x1", "--batches", "quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     print(proc.stdout)
     assert proc.stdout.strip().splitlines()[-1].endswith("within_30pct=1/1"), proc.stdout

@@ -1,5 +1,6 @@
 """One registry helper behind every name -> object table (mgrpo/registry.py): a duplicate name fails naming both
 places, a plugin replaces a built-in only with override=True, built-ins are always there before a plugin's name."""
+
 import os
 
 import pytest
@@ -22,11 +23,14 @@ def test_a_duplicate_name_names_both_places():
     with pytest.raises(DuplicateNameError) as exc:
         reg.register("w")(second)
     here = os.path.relpath(__file__)
-    assert str(exc.value) == (f"widget 'w' is registered twice: at {here}:10 and at {here}:14; register yours under "
-                              f"another name, or pass override=True to replace the first")
+    line = {f: f.__code__.co_firstlineno for f in (first, second)}
+    assert str(exc.value) == (
+        f"widget 'w' is registered twice: at {here}:{line[first]} and at {here}:{line[second]}; register yours under "
+        f"another name, or pass override=True to replace the first"
+    )
     assert reg.lookup("w") is first
     reg.register("w", override=True)(second)
-    assert reg.lookup("w") is second and reg.where("w") == f"{here}:14"
+    assert reg.lookup("w") is second and reg.where("w") == f"{here}:{line[second]}"
 
 
 def test_an_unknown_name_lists_the_known_ones():
@@ -37,16 +41,19 @@ def test_an_unknown_name_lists_the_known_ones():
         reg.lookup("x", "rollout.widget")
 
 
-@pytest.mark.parametrize("module,name,builtin", [
-    ("mgrpo.rewards.registry", "REWARDS", "accuracy"),
-    ("mgrpo.rollout.engine", "ENGINES", "vllm"),
-    ("mgrpo.models.registry", "FAMILIES", "qwen3_moe"),
-    ("mgrpo.schedulers.registry", "multi_turns", "tool_call"),
-    ("mgrpo.schedulers.registry", "envs", "guess_number"),
-    ("mgrpo.loss.registry", "POLICY_LOSSES", "gspo"),
-    ("mgrpo.loss.registry", "ADVANTAGES", "rloo"),
-    ("mgrpo.loss.kl", "KL_ESTIMATORS", "k3"),
-])
+@pytest.mark.parametrize(
+    "module,name,builtin",
+    [
+        ("mgrpo.rewards.registry", "REWARDS", "accuracy"),
+        ("mgrpo.rollout.engine", "ENGINES", "vllm"),
+        ("mgrpo.models.registry", "FAMILIES", "qwen3_moe"),
+        ("mgrpo.schedulers.registry", "multi_turns", "tool_call"),
+        ("mgrpo.schedulers.registry", "envs", "guess_number"),
+        ("mgrpo.loss.registry", "POLICY_LOSSES", "gspo"),
+        ("mgrpo.loss.registry", "ADVANTAGES", "rloo"),
+        ("mgrpo.loss.kl", "KL_ESTIMATORS", "k3"),
+    ],
+)
 def test_every_table_is_one_registry_with_its_builtins(module, name, builtin):
     import importlib
 
@@ -71,8 +78,10 @@ def test_a_plugin_overrides_accuracy_only_by_saying_so(tmp_path, restore_accurac
     rewards = restore_accuracy
     builtin = rewards.lookup("accuracy").fn
     silent = tmp_path / "silent.py"
-    silent.write_text("from mgrpo.rewards import register_reward\n\n\n@register_reward('accuracy', per_sample=True)\n"
-                      "def accuracy(completion, **_):\n    return 1.0\n")
+    silent.write_text(
+        "from mgrpo.rewards import register_reward\n\n\n@register_reward('accuracy', per_sample=True)\n"
+        "def accuracy(completion, **_):\n    return 1.0\n"
+    )
     with pytest.raises(PluginError) as exc:
         load_plugins([str(silent)])
     message = str(exc.value)
@@ -81,8 +90,10 @@ def test_a_plugin_overrides_accuracy_only_by_saying_so(tmp_path, restore_accurac
     assert rewards.lookup("accuracy").fn is builtin
 
     loud = tmp_path / "loud.py"
-    loud.write_text("from mgrpo.rewards import register_reward\n\n\n@register_reward('accuracy', per_sample=True, "
-                    "override=True)\ndef accuracy(completion, **_):\n    return 1.0\n")
+    loud.write_text(
+        "from mgrpo.rewards import register_reward\n\n\n@register_reward('accuracy', per_sample=True, "
+        "override=True)\ndef accuracy(completion, **_):\n    return 1.0\n"
+    )
     load_plugins([str(loud)])
     assert rewards.lookup("accuracy").fn is not builtin
     assert rewards.lookup("accuracy").fn("anything") == 1.0

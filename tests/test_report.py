@@ -1,5 +1,6 @@
 """report.png from a known metrics.jsonl: panel titles, one line per series with one point per step (checked
 on the figure object before saving), a valid PNG, and one clear line with exit 2 when there are no metrics."""
+
 import json
 import subprocess
 import sys
@@ -14,12 +15,28 @@ STEPS = 7
 def _rows():
     rows = []
     for i in range(STEPS):
-        row = {"step": i, "reward/mean": 0.1 * i, "reward/std": 0.2, "reward/failed": 0, "reward/accuracy": 0.05 * i,
-               "reward/format": 1.0, "response_length/mean": 20 + i, "response_length/max": 32,
-               "actor/kl_old": 0.001 * i, "actor/entropy": 5.0 - 0.1 * i, "actor/clip_frac": 0.01,
-               "actor/clip_frac_low": 0.004, "actor/clip_frac_high": 0.006, "actor/grad_norm": 1.0 / (i + 1),
-               "perf/tokens_per_s": 900.0, "timing/rollout": 0.5, "timing/old_logprob": 0.1,
-               "timing/ref_logprob": 0.0, "timing/train": 0.3, "timing/sync": 0.05}
+        row = {
+            "step": i,
+            "reward/mean": 0.1 * i,
+            "reward/std": 0.2,
+            "reward/failed": 0,
+            "reward/accuracy": 0.05 * i,
+            "reward/format": 1.0,
+            "response_length/mean": 20 + i,
+            "response_length/max": 32,
+            "actor/kl_old": 0.001 * i,
+            "actor/entropy": 5.0 - 0.1 * i,
+            "actor/clip_frac": 0.01,
+            "actor/clip_frac_low": 0.004,
+            "actor/clip_frac_high": 0.006,
+            "actor/grad_norm": 1.0 / (i + 1),
+            "perf/tokens_per_s": 900.0,
+            "timing/rollout": 0.5,
+            "timing/old_logprob": 0.1,
+            "timing/ref_logprob": 0.0,
+            "timing/train": 0.3,
+            "timing/sync": 0.05,
+        }
         if i >= 2:
             row["actor/kl_ref"] = 0.01 * i  # a series that starts late keeps its own number of points
         rows.append(row)
@@ -80,7 +97,9 @@ def test_reward_mean_stays_visible_beside_an_identical_function():
     rows[2]["reward/accuracy"] = 0.5  # a function that differs keeps its own line
     ax = build_figure(rows).axes[0]
     assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == [
-        "reward/mean", "reward/accuracy"]
+        "reward/mean",
+        "reward/accuracy",
+    ]
 
 
 def test_saved_png_is_valid(run_dir):

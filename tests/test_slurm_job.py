@@ -2,6 +2,7 @@
 tests/slurm_single_node.sh as root): the tiny task at TP2 with 2 Slurm tasks; then a job requeued mid-run (as a
 preemption would) continues from its newest checkpoint. Marked slurm; runs when MGRPO_SLURM_TESTS=1 (it installs
 Slurm where it is missing; about 2 minutes)."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,12 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(os.environ.get("MGRPO_SLURM_TESTS") != "1",
-                                                     reason="set MGRPO_SLURM_TESTS=1 (root, apt) to run Slurm")]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(
+        os.environ.get("MGRPO_SLURM_TESTS") != "1", reason="set MGRPO_SLURM_TESTS=1 (root, apt) to run Slurm"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +29,39 @@ def slurm():
 def submit(tmp, extra: str, launcher: str = "srun") -> str:
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(PYTHON=sys.executable, CONFIG="examples/tiny_cpu.yaml", GPUS_PER_NODE="2", LAUNCHER=launcher,
-               LOG_DIR=str(tmp / "logs"), MASTER_PORT=str(29600 + os.getpid() % 300),
-               EXTRA_ARGS=f"--tp 2 --model.path {tmp}/model --model.tiny --logging.output_dir {tmp}/out "
-                          f"--logging.report false --logging.progress_bar false {extra}")
-    out = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--ntasks-per-node", "2", "--output",
-                          str(tmp / "job-%j.out"), os.path.join(ROOT, "launch", "slurm", "train_grpo.sbatch")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHON=sys.executable,
+        CONFIG="examples/tiny_cpu.yaml",
+        GPUS_PER_NODE="2",
+        LAUNCHER=launcher,
+        LOG_DIR=str(tmp / "logs"),
+        MASTER_PORT=str(29600 + os.getpid() % 300),
+        EXTRA_ARGS=f"--tp 2 --model.path {tmp}/model --model.tiny --logging.output_dir {tmp}/out "
+        f"--logging.report false --logging.progress_bar false {extra}",
+    )
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes",
+            "1",
+            "--ntasks-per-node",
+            "2",
+            "--output",
+            str(tmp / "job-%j.out"),
+            os.path.join(ROOT, "launch", "slurm", "train_grpo.sbatch"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().split(";")[0]
 
 
@@ -65,8 +94,9 @@ def test_the_batch_script_trains_the_tiny_task_at_tp2_with_2_tasks(slurm, tmp_pa
 
 def test_a_requeued_job_continues_from_its_newest_checkpoint(slurm, tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = submit(tmp_path, f"--train.steps 8 --checkpoint.save_dir {ckpt} --checkpoint.save_interval 2",
-                 launcher="torchrun")
+    job = submit(
+        tmp_path, f"--train.steps 8 --checkpoint.save_dir {ckpt} --checkpoint.save_interval 2", launcher="torchrun"
+    )
     wait_gone(job, until=lambda: (ckpt / "latest").exists() and len(steps(tmp_path)) >= 3)
     subprocess.run(["scontrol", "requeue", job], check=True)  # what a preemption does to a --requeue job
     time.sleep(2)

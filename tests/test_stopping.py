@@ -2,6 +2,7 @@
 few seconds with exit 130, no step after the interrupted one is logged, and the line says how many steps are
 complete; a second Ctrl-C exits at once. Before the fix the first Ctrl-C was swallowed by asyncio's wait_for and
 the run went on to its last step with exit 0."""
+
 import os
 import signal
 import subprocess
@@ -12,15 +13,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _start(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "MGRPO_TEST_PAUSE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MGRPO_TEST_PAUSE")
+    }
     marker = tmp_path / "mark"
     env.update(MGRPO_TEST_MARK="rollout:1", MGRPO_TEST_PAUSE_MARKER=str(marker))
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", str(tmp_path / "model"), "--model.tiny",
-           "--train.steps", "6", "--rollout.max_tokens", "200", "--logging.output_dir", str(tmp_path / "run"),
-           "--logging.progress_bar", "false", "--logging.report", "false", "--checkpoint.save_dir",
-           str(tmp_path / "ckpt"), "--checkpoint.save_interval", "1"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--model.path",
+        str(tmp_path / "model"),
+        "--model.tiny",
+        "--train.steps",
+        "6",
+        "--rollout.max_tokens",
+        "200",
+        "--logging.output_dir",
+        str(tmp_path / "run"),
+        "--logging.progress_bar",
+        "false",
+        "--logging.report",
+        "false",
+        "--checkpoint.save_dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint.save_interval",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     deadline = time.time() + 300
     while not marker.exists():

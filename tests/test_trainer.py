@@ -1,5 +1,6 @@
 """The walking skeleton: a short GRPO run learns on CPU, a flipped advantage does not, and weight sync
 leaves the HF engine computing the trainer's own logprobs."""
+
 import os
 
 import pytest
@@ -23,10 +24,22 @@ def make_trainer(tmp_path, tiny_dirs, *extra):
     from mgrpo.trainer import GRPOTrainer
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
-        "--train.steps", str(STEPS), *extra])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+            "--logging.output_dir",
+            str(tmp_path / "run"),
+            "--logging.progress_bar",
+            "false",
+            "--train.steps",
+            str(STEPS),
+            *extra,
+        ],
+    )
     cfg.model.tiny = None
     return GRPOTrainer(cfg)
 
@@ -77,15 +90,48 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
 
     from mgrpo.parallel.distributed import free_port
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-           "--tp", "2", "--pp", "2", "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--model.tiny",
-           "--checkpoint.save_dir", str(tmp_path / "ckpt"), "--checkpoint.save_interval", "1",
-           "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
-           "--logging.completions_interval", "1", "--logging.completions_token_ids", "true",
-           "--algorithm.kl_coef", "0.01", "--algorithm.entropy_coef", "0.001", "--algorithm.rollout_is_mode", "tis"]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        f"--master-port={free_port()}",
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--train.steps",
+        "2",
+        "--model.path",
+        str(tmp_path / "model"),
+        "--model.tiny",
+        "--checkpoint.save_dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint.save_interval",
+        "1",
+        "--logging.output_dir",
+        str(tmp_path / "run"),
+        "--logging.progress_bar",
+        "false",
+        "--logging.completions_interval",
+        "1",
+        "--logging.completions_token_ids",
+        "true",
+        "--algorithm.kl_coef",
+        "0.01",
+        "--algorithm.entropy_coef",
+        "0.001",
+        "--algorithm.rollout_is_mode",
+        "tis",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -97,9 +143,21 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
     # the engine sampled with the weights the trainer synced: its logprobs equal the trainer's old logprobs
     assert last["rollout_is/rollout_logp_abs_diff"] < 1e-4
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "convert_to_hf.py"), "--checkpoint",
-                        str(tmp_path / "ckpt" / "step_000001"), "--output", str(out)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "convert_to_hf.py"),
+            "--checkpoint",
+            str(tmp_path / "ckpt" / "step_000001"),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
@@ -113,8 +171,10 @@ def test_torchrun_tp2_pp2_with_kl_entropy_is_and_checkpoint_converts(tmp_path):
     for c in samples:
         ids, n = torch.tensor([c["prompt_ids"] + c["response_ids"]]), len(c["prompt_ids"])
         with torch.no_grad():
-            lp = [torch.log_softmax(m(ids).logits[0] / temp, -1)[n - 1: -1].gather(1, ids[0, n:, None])[:, 0]
-                  for m in (policy, ref)]
+            lp = [
+                torch.log_softmax(m(ids).logits[0] / temp, -1)[n - 1 : -1].gather(1, ids[0, n:, None])[:, 0]
+                for m in (policy, ref)
+            ]
         d.append(lp[1] - lp[0])
     d = torch.cat(d)
     k3, k1 = float((torch.exp(d) - d - 1).mean()), float((-d).mean())
@@ -137,13 +197,32 @@ def test_failed_rewards_train_nothing_and_metrics_stay_finite(single_rank, tmp_p
             raise RuntimeError("judge timed out")
         return [0.0 for _ in samples]
 
-    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "1", "--reward.funcs", "[token_fraction, _t_flaky]",
-                           "--algorithm.loss_type", "cispo", "--algorithm.kl_coef", "0.05")
+    trainer = make_trainer(
+        tmp_path,
+        tiny_dirs,
+        "--train.steps",
+        "1",
+        "--reward.funcs",
+        "[token_fraction, _t_flaky]",
+        "--algorithm.loss_type",
+        "cispo",
+        "--algorithm.kl_coef",
+        "0.05",
+    )
     m = trainer.step(0)
     n = trainer.cfg.rollout.n * trainer.cfg.rollout.prompts_per_step
     assert 0 < m["reward/failed"] < n and m["actor/skipped_steps"] == 0
-    for key in ("actor/clip_frac", "actor/kl_ref", "reward/std", "reward/mean", "actor/loss",
-                "actor/grad_norm", "actor/entropy", "timing/step", "perf/tokens_per_s"):
+    for key in (
+        "actor/clip_frac",
+        "actor/kl_ref",
+        "reward/std",
+        "reward/mean",
+        "actor/loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "timing/step",
+        "perf/tokens_per_s",
+    ):
         assert key in m and math.isfinite(m[key]), key
     assert trainer.cfg.algorithm.policy_loss == "cispo"
 
@@ -154,21 +233,46 @@ def _launch(tmp_path, name, *extra, nproc=2):
 
     from mgrpo.parallel.distributed import free_port
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           os.path.join(ROOT, "launch", "train_grpo.py"), "--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-           "--train.steps", "2", "--model.path", str(tmp_path / "model"), "--model.tiny",
-           "--logging.output_dir", str(out),
-           "--logging.progress_bar", "false", "--logging.completions_interval", "1",
-           "--logging.completions_token_ids", "true", "--logging.report", "false", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--train.steps",
+        "2",
+        "--model.path",
+        str(tmp_path / "model"),
+        "--model.tiny",
+        "--logging.output_dir",
+        str(out),
+        "--logging.progress_bar",
+        "false",
+        "--logging.completions_interval",
+        "1",
+        "--logging.completions_token_ids",
+        "true",
+        "--logging.report",
+        "false",
+        *extra,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     import json
 
-    return ([json.loads(line) for line in open(out / "metrics.jsonl")],
-            [json.loads(line) for line in open(out / "completions.jsonl")])
+    return (
+        [json.loads(line) for line in open(out / "metrics.jsonl")],
+        [json.loads(line) for line in open(out / "completions.jsonl")],
+    )
 
 
 def test_one_engine_per_dp_group_matches_one_engine(tmp_path):
@@ -182,8 +286,9 @@ def test_one_engine_per_dp_group_matches_one_engine(tmp_path):
         rows = [r for r in two if r["step"] == step]
         assert {r["weight_version"] for r in rows} == {step}, "both engines sampled with the same version"
     key = lambda r: (r["step"], r["group"])  # noqa: E731
-    assert [(key(r), r["response_ids"]) for r in sorted(one, key=key)] == \
-        [(key(r), r["response_ids"]) for r in sorted(two, key=key)]
+    assert [(key(r), r["response_ids"]) for r in sorted(one, key=key)] == [
+        (key(r), r["response_ids"]) for r in sorted(two, key=key)
+    ]
     assert one_metrics[-1]["reward/mean"] == pytest.approx(two_metrics[-1]["reward/mean"])
 
 
@@ -213,9 +318,23 @@ SCHEDULE = dict(lr=0.003, min_lr=0.0003, warm=2, total=6)  # 3 rollout steps x 2
 
 def _schedule_trainer(tmp_path, tiny_dirs, *extra):
     s = SCHEDULE
-    return make_trainer(tmp_path, tiny_dirs, "--train.steps", "3", "--train.steps_per_generation", "2",
-                        "--train.lr_schedule", "cosine", "--train.warmup_steps", str(s["warm"]), "--train.min_lr",
-                        str(s["min_lr"]), "--train.lr", str(s["lr"]), *extra)
+    return make_trainer(
+        tmp_path,
+        tiny_dirs,
+        "--train.steps",
+        "3",
+        "--train.steps_per_generation",
+        "2",
+        "--train.lr_schedule",
+        "cosine",
+        "--train.warmup_steps",
+        str(s["warm"]),
+        "--train.min_lr",
+        str(s["min_lr"]),
+        "--train.lr",
+        str(s["lr"]),
+        *extra,
+    )
 
 
 def test_cosine_schedule_with_warmup_follows_the_formula(single_rank, tmp_path, tiny_dirs):
@@ -275,8 +394,18 @@ def test_kl_in_reward_penalises_the_rewards_the_advantages_see(single_rank, tmp_
         return advantages("grpo")(rewards, group_ids, cfg)
 
     coef = 0.5
-    trainer = make_trainer(tmp_path, tiny_dirs, "--train.steps", "2", "--algorithm.kl_coef", str(coef),
-                           "--algorithm.kl_in_reward", "true", "--algorithm.advantage", "grpo_recording")
+    trainer = make_trainer(
+        tmp_path,
+        tiny_dirs,
+        "--train.steps",
+        "2",
+        "--algorithm.kl_coef",
+        str(coef),
+        "--algorithm.kl_in_reward",
+        "true",
+        "--algorithm.advantage",
+        "grpo_recording",
+    )
     batches = []
     real_collect = trainer.collect
     trainer.collect = lambda step: batches.append(real_collect(step)) or batches[-1]
@@ -293,7 +422,7 @@ def test_kl_in_reward_penalises_the_rewards_the_advantages_see(single_rank, tmp_
         with torch.no_grad():
             logp = torch.log_softmax(ref(ids).logits[0].double() / temp, -1)
         n = len(s.prompt_ids)
-        return logp[n - 1: n - 1 + len(s.response_ids)].gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        return logp[n - 1 : n - 1 + len(s.response_ids)].gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
 
     k1, k3 = [], []
     for s in samples:  # the HF engine's own logprobs of what it sampled at the step's rollout weights
@@ -304,7 +433,9 @@ def test_kl_in_reward_penalises_the_rewards_the_advantages_see(single_rank, tmp_
     raw = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     expect = raw - coef * torch.tensor(k1, dtype=torch.float64)
     worst = float((seen[1] - expect).abs().max())
-    print(f"kl_in_reward: max |rewards the advantages saw - HF reference| = {worst:.2e}; mean k1 {sum(k1) / len(k1):.4f}")
+    print(
+        f"kl_in_reward: max |rewards the advantages saw - HF reference| = {worst:.2e}; mean k1 {sum(k1) / len(k1):.4f}"
+    )
     assert worst <= 1e-4 and float((raw - expect).abs().max()) > 1e-3, "the penalty is there and right"
     wrong = raw - coef * torch.tensor(k3, dtype=torch.float64)
     assert float((seen[1] - wrong).abs().max()) > 1e-3, "negative control: another estimator is caught"
@@ -323,8 +454,10 @@ def test_step_time_is_wall_clock(single_rank, tmp_path, tiny_dirs):
     m = trainer.step(0)
     outside = time.perf_counter() - started
     phases = sum(v for k, v in m.items() if k.startswith("timing/") and k not in ("timing/step", "timing/other"))
-    print(f"timing/step {m['timing/step']:.3f} s (measured outside {outside:.3f} s), phases {phases:.3f} s, "
-          f"other {m['timing/other']:.3f} s")
+    print(
+        f"timing/step {m['timing/step']:.3f} s (measured outside {outside:.3f} s), phases {phases:.3f} s, "
+        f"other {m['timing/other']:.3f} s"
+    )
     assert m["timing/other"] >= 0.3 and phases + 0.3 <= m["timing/step"] <= outside
     assert m["timing/step"] == pytest.approx(phases + m["timing/other"])
     assert m["perf/tokens_per_s"] == pytest.approx(m["response_length/mean"] * 64 / m["timing/step"])

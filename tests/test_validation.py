@@ -1,14 +1,15 @@
 """Validation: pass@k from the unbiased estimator equals a direct count over every k-subset of the same generations
 (read back from val_generations.jsonl), the val/ reward means equal the file's, and the engine generated with the
 weights just trained (the run's weight version)."""
+
 import itertools
 import json
 import os
 
 import pytest
+from run_configs import tiny_run_config
 
 from mgrpo.validation import pass_at_k
-from run_configs import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,8 +19,10 @@ def direct_pass_at_k(flags: list, k: int) -> float:
     return sum(any(s) for s in subsets) / len(subsets)
 
 
-@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (4, 2, 3), (5, 4, 2), (8, 3, 8), (6, 6, 1), (6, 2, 2),
-                                   (8, 3, 4), (10, 1, 5)])
+@pytest.mark.parametrize(
+    "n,c,k",
+    [(4, 0, 1), (4, 1, 1), (4, 1, 2), (4, 2, 3), (5, 4, 2), (8, 3, 8), (6, 6, 1), (6, 2, 2), (8, 3, 4), (10, 1, 5)],
+)
 def test_estimator_equals_counting_subsets(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(direct_pass_at_k([True] * c + [False] * (n - c), k), abs=1e-12)
 
@@ -31,9 +34,23 @@ def val_run(single_rank, tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("val") / "run"
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
     cfg = tiny_run_config(
-        model, out, "--train.steps", "3", "--eval.path", os.path.join(ROOT, "examples/data/tiny_val.jsonl"),
-        "--eval.interval", "2", "--eval.n", "4", "--eval.temperature", "1.0", "--eval.k", "[2, 4]",
-        "--eval.pass_threshold", "0.05")
+        model,
+        out,
+        "--train.steps",
+        "3",
+        "--eval.path",
+        os.path.join(ROOT, "examples/data/tiny_val.jsonl"),
+        "--eval.interval",
+        "2",
+        "--eval.n",
+        "4",
+        "--eval.temperature",
+        "1.0",
+        "--eval.k",
+        "[2, 4]",
+        "--eval.pass_threshold",
+        "0.05",
+    )
     history = GRPOTrainer(cfg).fit()
     rows = [json.loads(line) for line in open(out / "val_generations.jsonl")]
     return history, rows, cfg
@@ -65,9 +82,18 @@ def test_greedy_validation_is_deterministic_and_pass_at_1_is_the_pass_rate(singl
     from mgrpo.trainer import GRPOTrainer
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = tiny_run_config(model, tmp_path / "run", "--train.steps", "1", "--eval.path",
-                          os.path.join(ROOT, "examples/data/tiny_val.jsonl"), "--eval.interval", "1",
-                          "--eval.pass_threshold", "0.05")  # the defaults: greedy, n = 1
+    cfg = tiny_run_config(
+        model,
+        tmp_path / "run",
+        "--train.steps",
+        "1",
+        "--eval.path",
+        os.path.join(ROOT, "examples/data/tiny_val.jsonl"),
+        "--eval.interval",
+        "1",
+        "--eval.pass_threshold",
+        "0.05",
+    )  # the defaults: greedy, n = 1
     trainer = GRPOTrainer(cfg)
     first, second = trainer.validator.run(0, trainer.version), trainer.validator.run(1, trainer.version)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "val_generations.jsonl")]

@@ -1,5 +1,6 @@
 """Read a wandb offline run's history back from its .wandb file (LevelDB-style log of protobuf Records), so
 tests check what wandb itself stored, with no network and no wandb server."""
+
 import glob
 import json
 import os
@@ -17,9 +18,9 @@ def _records(path: str) -> list:
         if room < HEADER:  # block trailer: zero padding
             pos += room
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos: pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         pos += HEADER
-        chunk, pos = data[pos: pos + length], pos + length
+        chunk, pos = data[pos : pos + length], pos + length
         if kind == 1:
             out.append(chunk)
         elif kind == 2:

@@ -6,6 +6,7 @@ The spec (written by vs_trl.py) names the model folder, the prompts file, the ba
 length, the learning rate and the steps. The reward is mgrpo's `token_fraction` (the fraction of completion tokens
 whose text is only digits), rewritten here on TRL's `completion_ids` so this venv needs nothing of mgrpo's.
 Writes per-step wall time, the rollout (TRL's generate-and-score) time, completion tokens and mean reward."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,37 @@ def main() -> None:
     data = Dataset.from_dict({"prompt": prompts})
     batch = spec["prompts_per_step"] * spec["n"]
     config = GRPOConfig(
-        output_dir=spec["workdir"], use_cpu=True, bf16=False, fp16=False, report_to="none", logging_steps=1,
-        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        output_dir=spec["workdir"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        logging_steps=1,
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
         per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=batch // spec["micro_batch_size"], num_generations=spec["n"],
-        max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2,
-        num_iterations=1, loss_type="dapo", scale_rewards="group", save_strategy="no", seed=spec["seed"],
-        dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0)
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=token_fraction, args=config, train_dataset=data,
-                          processing_class=tok)
+        gradient_accumulation_steps=batch // spec["micro_batch_size"],
+        num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        save_strategy="no",
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_grad_norm=1.0,
+    )
+    trainer = GRPOTrainer(
+        model=spec["model"], reward_funcs=token_fraction, args=config, train_dataset=data, processing_class=tok
+    )
     record = {"step_s": [], "rollout_s": [], "completion_tokens": [], "reward": []}
     generate = trainer._generate_and_score_completions
 
@@ -62,6 +85,7 @@ def main() -> None:
     class Clock(TrainerCallback):
         """A step's wall clock: from its start to the next step's start (everything TRL's loop does between), the
         last one to its end; mgrpo's timing/step is its step's wall clock too."""
+
         started = None
 
         def on_step_begin(self, *_, **__):

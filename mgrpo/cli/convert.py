@@ -11,6 +11,7 @@ with --peft to a PEFT adapter folder (adapter_config.json + adapter_model.safete
 One CPU process; tensors stream one by one from megatron to safetensors shards with a progress bar.
 The output is written to a temporary folder and renamed into place.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,21 @@ def parse_size(text: str) -> int:
     except ValueError:
         size = 0
     if size <= 0:
-        raise ValueError(f"--max-shard-size {text!r}: use a positive size such as 5GB, 500MB or 5GiB (HF's units), "
-                         f"or a number of bytes")
+        raise ValueError(
+            f"--max-shard-size {text!r}: use a positive size such as 5GB, 500MB or 5GiB (HF's units), "
+            f"or a number of bytes"
+        )
     return size
 
 
-def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 << 30, overwrite: bool = False,
-            peft: bool = False):
+def convert(
+    checkpoint: str,
+    output: str,
+    dtype=None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    peft: bool = False,
+):
     from tqdm import tqdm
 
     from mgrpo.checkpoint import CheckpointFolderError, load_checkpoint, read_meta
@@ -72,15 +81,27 @@ def convert(checkpoint: str, output: str, dtype=None, max_shard_bytes: int = 5 <
         from mgrpo.models.lora import peft_config, peft_tensors
         from mgrpo.resharding.hf_writer import write_peft_folder
 
-        return write_peft_folder(peft_tensors(chunks), output, peft_config(LoraConfig(**meta["lora"]), hf_dir),
-                                 overwrite)
+        return write_peft_folder(
+            peft_tensors(chunks), output, peft_config(LoraConfig(**meta["lora"]), hf_dir), overwrite
+        )
     total = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     info, emb = chunks[0].mgrpo_info, chunks[0].embedding.word_embeddings.weight
-    total -= (chunks[0].vocab_size - info.vocab_size) * emb[0].numel() * emb.element_size() * (
-        1 if info.tie_word_embeddings else 2)  # padded vocabulary rows are not exported
+    total -= (
+        (chunks[0].vocab_size - info.vocab_size)
+        * emb[0].numel()
+        * emb.element_size()
+        * (1 if info.tie_word_embeddings else 2)
+    )  # padded vocabulary rows are not exported
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr) as bar:
-        write_hf_folder(export_hf(chunks, dst=0, bucket_bytes=64 << 20), output, hf_dir, max_shard_bytes, dtype,
-                        overwrite, progress=bar)
+        write_hf_folder(
+            export_hf(chunks, dst=0, bucket_bytes=64 << 20),
+            output,
+            hf_dir,
+            max_shard_bytes,
+            dtype,
+            overwrite,
+            progress=bar,
+        )
     return output
 
 

@@ -6,6 +6,7 @@ as in vLLM's and SGLang's own CLIs; a wrong flag is one line naming it and `--he
 `--section.field` keys reach every config field (mgrpo/config.py); the converter and the server are argparse with
 their defaults shown in `--help`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ class FlagParser(argparse.ArgumentParser):
         cut = args.index("--") if "--" in args else len(args)
         head = [_dashed(a) if a.startswith("--") else a for a in args[:cut]]
         namespace, unknown = super().parse_known_args(head, namespace)
-        return namespace, unknown + args[cut + 1:]
+        return namespace, unknown + args[cut + 1 :]
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")

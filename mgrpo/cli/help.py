@@ -1,5 +1,6 @@
 """`--help` for the trainer, generated from the config dataclasses: every field with its type, default and the
 one-line comment beside it in `mgrpo/config.py` (so the help cannot drift from the code)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -8,6 +8,7 @@
 
 Every config, model and dataset error is reported (one line each) before any process group starts.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,20 +49,36 @@ def prepare_tiny_model(cfg, rank: int) -> None:
         from mgrpo.models.tiny import make_tiny_hf
 
         if not made():  # the first line the run prints: a folder outside the output folder may be written here
-            print(f"mgrpo: model.path={path} has no model: writing a random tiny {tiny.family} model there "
-                  f"(model.tiny)", flush=True)
+            print(
+                f"mgrpo: model.path={path} has no model: writing a random tiny {tiny.family} model there (model.tiny)",
+                flush=True,
+            )
             t = asdict(tiny)
-            make_tiny_hf(path, family=t["family"], vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
-                         num_layers=t["num_layers"], num_heads=t["num_heads"], num_kv_heads=t["num_kv_heads"],
-                         ffn_hidden_size=t["ffn_hidden_size"], tie_word_embeddings=t["tie_word_embeddings"],
-                         seed=t["seed"], num_experts=t["num_experts"], experts_per_token=t["experts_per_token"],
-                         moe_ffn_hidden_size=t["moe_ffn_hidden_size"], initializer_range=t["initializer_range"])
+            make_tiny_hf(
+                path,
+                family=t["family"],
+                vocab_size=t["vocab_size"],
+                hidden_size=t["hidden_size"],
+                num_layers=t["num_layers"],
+                num_heads=t["num_heads"],
+                num_kv_heads=t["num_kv_heads"],
+                ffn_hidden_size=t["ffn_hidden_size"],
+                tie_word_embeddings=t["tie_word_embeddings"],
+                seed=t["seed"],
+                num_experts=t["num_experts"],
+                experts_per_token=t["experts_per_token"],
+                moe_ffn_hidden_size=t["moe_ffn_hidden_size"],
+                initializer_range=t["initializer_range"],
+            )
         if w is not None:
             from mgrpo.models.warm_start import held_out_pairs, warm_start
 
             out = warm_start(path, w.steps, held_out_pairs(cfg.eval.path), w.low, w.high, w.batch_size, w.lr, w.seed)
-            print(f"mgrpo: warm start: {out['steps']} steps of addition SFT in {out['seconds']:.1f} s, final loss "
-                  f"{out['loss']:.3f} (validation problems left out)", flush=True)
+            print(
+                f"mgrpo: warm start: {out['steps']} steps of addition SFT in {out['seconds']:.1f} s, final loss "
+                f"{out['loss']:.3f} (validation problems left out)",
+                flush=True,
+            )
         return
     deadline = time.time() + 600
     while not ready():
@@ -92,8 +109,10 @@ def check(argv: list):
         if problem:
             raise ConfigError([problem])
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg.model.path)):
-        raise ModelConfigError(f"model.path={cfg.model.path!r} holds config.json but no weights (*.safetensors); "
-                               f"point --model.path at the downloaded model folder")
+        raise ModelConfigError(
+            f"model.path={cfg.model.path!r} holds config.json but no weights (*.safetensors); "
+            f"point --model.path at the downloaded model folder"
+        )
     errors = validate_layout(cfg, info, denv.world_size, torch.cuda.is_available())
     if errors:
         raise ConfigError(errors)
@@ -127,8 +146,10 @@ def main(argv: list | None = None) -> int:
     except (ConfigError, ModelConfigError, DatasetError, ResumeError) as exc:
         if read_dist_env().rank == 0:
             lines = str(exc).splitlines()
-            print("\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
-                  file=sys.stderr)
+            print(
+                "\n".join(line if line.startswith("config error") else f"error: {line}" for line in lines),
+                file=sys.stderr,
+            )
         return 2
     if denv.rank == 0:
         print(describe_algorithm(cfg), flush=True)
@@ -170,17 +191,22 @@ def train(cfg, denv, data) -> int:
     except KeyboardInterrupt:  # Ctrl-C (mgrpo/stopping.py): fit() closed the logs, the saver and the engines
         if denv.rank == 0:
             done = trainer.start_step + trainer.log.steps_logged
-            print(f"mgrpo: stopped by Ctrl-C after {done} complete step(s) (metrics in "
-                  f"{os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}); "
-                  + ("continue with --resume" if cfg.checkpoint.save_dir else "no checkpoint.save_dir to resume from"),
-                  file=sys.stderr, flush=True)
+            print(
+                f"mgrpo: stopped by Ctrl-C after {done} complete step(s) (metrics in "
+                f"{os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}); "
+                + ("continue with --resume" if cfg.checkpoint.save_dir else "no checkpoint.save_dir to resume from"),
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_INTERRUPTED
     if denv.rank == 0 and history:
         k = min(5, len(history))
         first = sum(h["reward/mean"] for h in history[:k]) / k
         last = sum(h["reward/mean"] for h in history[-k:]) / k
-        print(f"reward/mean first{k}={first:.4f} last{k}={last:.4f} "
-              f"metrics={os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}")
+        print(
+            f"reward/mean first{k}={first:.4f} last{k}={last:.4f} "
+            f"metrics={os.path.join(cfg.logging.output_dir, 'metrics.jsonl')}"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ over DP and cut into micro-batches (CP split inside).
 Old logprobs are needed only when the buffer is reused (or for the KL-in-reward penalty): with one update per
 generation batch they equal the current policy's, and the loss uses its own logprobs, detached.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,11 @@ class GenerationBatch:
         pass also gives the entropies (same fused kernel) when the entropy mask or the entropy log wants them."""
         entropy = key == "old_logp" and (self.entropy_quantile < 1 or self.log_entropy)
         for mini in self.minibatches:
-            logps, ents = actor.logprobs(mini.microbatches, entropy=True) if entropy else \
-                (actor.logprobs(mini.microbatches), None)
+            logps, ents = (
+                actor.logprobs(mini.microbatches, entropy=True)
+                if entropy
+                else (actor.logprobs(mini.microbatches), None)
+            )
             for i, mb in enumerate(mini.microbatches):
                 mb[key] = logps[i] if logps else torch.zeros_like(mb["loss_mask"])
                 if ents:
@@ -66,8 +70,9 @@ class GenerationBatch:
             if ents and self.entropy_quantile < 1:  # last-stage ranks, each with its DP x CP group
                 from mgrpo.loss.entropy_mask import set_entropy_masks
 
-                set_entropy_masks(mini.microbatches, self.entropy_quantile,
-                                  mpu.get_data_parallel_group(with_context_parallel=True))
+                set_entropy_masks(
+                    mini.microbatches, self.entropy_quantile, mpu.get_data_parallel_group(with_context_parallel=True)
+                )
 
     def sample_entropies(self) -> list | None:
         """Each sample's per-token entropy over its response (None where the loss mask is 0), on every rank;
@@ -90,8 +95,10 @@ class GenerationBatch:
                         cols = on[row].nonzero().flatten()  # logits at position p predict token p + 1
                         out[i, pos[row, cols] + 1 - len(self.samples[i].prompt_ids)] = ent[row, cols].double()
         dist.all_reduce(out, group=cpu_group())
-        return [[round(float(out[i, j]), 4) if on else None for j, on in enumerate(s.loss_mask)]
-                for i, s in enumerate(self.samples)]
+        return [
+            [round(float(out[i, j]), 4) if on else None for j, on in enumerate(s.loss_mask)]
+            for i, s in enumerate(self.samples)
+        ]
 
     def set_advantages(self, advantages) -> None:
         for mini in self.minibatches:
@@ -114,27 +121,32 @@ def describe_batching(cfg, dp: int) -> str:
     per_dp = mini // dp
     mbs = min(t.micro_batch_size, per_dp)
     updates = t.steps_per_generation * t.num_iterations
-    old = "old logprobs computed once per rollout" if updates > 1 else \
-        "old logprobs skipped (one update per rollout: they equal the current policy's)"
+    old = (
+        "old logprobs computed once per rollout"
+        if updates > 1
+        else "old logprobs skipped (one update per rollout: they equal the current policy's)"
+    )
     micro = f"{-(-per_dp // mbs)} micro-batch(es) of <= {mbs}"
     if t.max_tokens_per_microbatch:
         micro = f"micro-batches of <= {t.max_tokens_per_microbatch} tokens (DP shares balanced by tokens)"
     if t.sequence_packing:
         micro += ", each one packed row (padding-free)"
-    return (f"batching: {total} samples -> {t.steps_per_generation} mini-batch(es) of {mini} x {t.num_iterations} "
-            f"iteration(s) -> {updates} optimizer step(s) per rollout; {dp} DP rank(s) x {micro}; {old}")
+    return (
+        f"batching: {total} samples -> {t.steps_per_generation} mini-batch(es) of {mini} x {t.num_iterations} "
+        f"iteration(s) -> {updates} optimizer step(s) per rollout; {dp} DP rank(s) x {micro}; {old}"
+    )
 
 
-def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
-                           step: int | None = None) -> GenerationBatch:
+def build_generation_batch(
+    samples: list, cfg, pad_id: int, warn: bool = True, step: int | None = None
+) -> GenerationBatch:
     """The step's samples as mini-batches of this rank's micro-batches; `step` (the trainer's) decides whether
     completions.jsonl wants per-token entropies this step (logging.log_entropy)."""
     from mgrpo.logging import entropy_due
 
     log_entropy = step is not None and entropy_due(cfg.logging, step)
     alg, t = cfg.algorithm, cfg.train
-    rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples],
-                           dtype=torch.float64)
+    rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples], dtype=torch.float64)
     valid = valid_mask(rewards)
     trained, overlong = valid.clone(), 0
     for k, s in enumerate(samples):
@@ -145,13 +157,20 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
         if not trained[k]:  # a failed reward, a filtered truncation or padding trains nothing
             s.loss_mask = [0] * len(s.loss_mask)
     if overlong == len(samples) and warn:
-        log.warning("all %d samples stopped at rollout.max_tokens=%d and algorithm.overlong_filter masks them: this "
-                    "step trains nothing (zero gradients). Raise rollout.max_tokens or turn overlong_filter off",
-                    len(samples), cfg.rollout.max_tokens)
+        log.warning(
+            "all %d samples stopped at rollout.max_tokens=%d and algorithm.overlong_filter masks them: this "
+            "step trains nothing (zero gradients). Raise rollout.max_tokens or turn overlong_filter off",
+            len(samples),
+            cfg.rollout.max_tokens,
+        )
     missing = missing_rollout_logprobs(samples)
     if missing and alg.rollout_is_mode and warn:
-        log.warning("%d of %d samples have no rollout logprobs: they are left out of the rollout IS correction "
-                    "(weight 1) and of the rollout_is/* metrics", missing, len(samples))
+        log.warning(
+            "%d of %d samples have no rollout logprobs: they are left out of the rollout IS correction "
+            "(weight 1) and of the rollout_is/* metrics",
+            missing,
+            len(samples),
+        )
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     size = len(samples) // t.steps_per_generation
     minis = []
@@ -160,16 +179,39 @@ def build_generation_batch(samples: list, cfg, pad_id: int, warn: bool = True,
         chunk = [samples[i] for i in idx]
         weights = token_weights(chunk, aggregation_of(alg), cfg.rollout.max_tokens, include=trained[idx].tolist())
         local, groups = this_rank_share(chunk, t, dp_rank, dp)
-        mbs = make_microbatches([chunk[i] for i in local], t.micro_batch_size, pad_id, None,
-                                cfg.parallel.tp if cfg.parallel.sp else 1, same_length=cfg.parallel.pp > 1,
-                                token_weights=[weights[i] for i in local], cp_rank=mpu.get_context_parallel_rank(),
-                                cp_size=cfg.parallel.cp, device=device(), groups=groups,
-                                packing=t.sequence_packing)
+        mbs = make_microbatches(
+            [chunk[i] for i in local],
+            t.micro_batch_size,
+            pad_id,
+            None,
+            cfg.parallel.tp if cfg.parallel.sp else 1,
+            same_length=cfg.parallel.pp > 1,
+            token_weights=[weights[i] for i in local],
+            cp_rank=mpu.get_context_parallel_rank(),
+            cp_size=cfg.parallel.cp,
+            device=device(),
+            groups=groups,
+            packing=t.sequence_packing,
+        )
         minis.append(MiniBatch(mbs, [idx[i] for i in local]))
-    needs_old = t.steps_per_generation * t.num_iterations > 1 or (alg.kl_in_reward and alg.kl_coef > 0) \
-        or alg.top_entropy_quantile < 1 or log_entropy  # entropies come from the old-logprob pass
-    return GenerationBatch(samples, minis, rewards, valid, trained, torch.tensor([s.group_id for s in samples]),
-                           [sum(s.loss_mask) for s in samples], needs_old, alg.top_entropy_quantile, log_entropy)
+    needs_old = (
+        t.steps_per_generation * t.num_iterations > 1
+        or (alg.kl_in_reward and alg.kl_coef > 0)
+        or alg.top_entropy_quantile < 1
+        or log_entropy
+    )  # entropies come from the old-logprob pass
+    return GenerationBatch(
+        samples,
+        minis,
+        rewards,
+        valid,
+        trained,
+        torch.tensor([s.group_id for s in samples]),
+        [sum(s.loss_mask) for s in samples],
+        needs_old,
+        alg.top_entropy_quantile,
+        log_entropy,
+    )
 
 
 def this_rank_share(chunk: list, t, dp_rank: int, dp: int) -> tuple:

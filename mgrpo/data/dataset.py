@@ -7,6 +7,7 @@ are dropped and counted, never truncated. Every unusable row is reported, one li
 before any process group starts. `PromptStream` walks the rows in an epoch order that depends only on (seed,
 epoch), so its position is two integers that a checkpoint can save and restore.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ class DatasetError(ValueError):
 @dataclass
 class PromptSet:
     """A loaded, checked, tokenized prompt file."""
+
     path: str
     rows: list  # {"messages": [...], "prompt_ids": [...], **other columns}
     total: int  # rows in the file
@@ -44,25 +46,32 @@ def open_table(path: str, field_name: str = "data.path"):
     except ImportError:
         if os.path.exists(path) and path.lower().endswith(".jsonl"):
             return _read_jsonl(path, field_name)
-        raise DatasetError(f"{field_name}={path!r}: reading it needs the `datasets` package (pip install "
-                           f"datasets); without it only .jsonl files are read") from None
+        raise DatasetError(
+            f"{field_name}={path!r}: reading it needs the `datasets` package (pip install "
+            f"datasets); without it only .jsonl files are read"
+        ) from None
 
     datasets.disable_progress_bars()
     if not os.path.exists(path):
-        raise DatasetError(f"{field_name}={path!r}: not found; give a .jsonl, .json or .parquet file or a "
-                           f"save_to_disk folder (relative paths are from {os.getcwd()})")
+        raise DatasetError(
+            f"{field_name}={path!r}: not found; give a .jsonl, .json or .parquet file or a "
+            f"save_to_disk folder (relative paths are from {os.getcwd()})"
+        )
     try:
         if os.path.isdir(path):
             table = datasets.load_from_disk(path)
             if isinstance(table, datasets.DatasetDict):
                 splits = ", ".join(table)
-                raise DatasetError(f"{field_name}={path!r} holds several splits ({splits}); point at one split's "
-                                   f"folder, e.g. {os.path.join(path, next(iter(table)))}")
+                raise DatasetError(
+                    f"{field_name}={path!r} holds several splits ({splits}); point at one split's "
+                    f"folder, e.g. {os.path.join(path, next(iter(table)))}"
+                )
             return table
         kind = FORMATS.get(os.path.splitext(path)[1].lower())
         if kind is None:
-            raise DatasetError(f"{field_name}={path!r}: unknown format; use .jsonl, .json, .parquet or a "
-                               f"save_to_disk folder")
+            raise DatasetError(
+                f"{field_name}={path!r}: unknown format; use .jsonl, .json, .parquet or a save_to_disk folder"
+            )
         if os.path.getsize(path) == 0 or (kind == "json" and not _has_text(path)):
             raise DatasetError(f"{field_name}={path!r} is empty; it needs at least one row with a prompt")
         if path.lower().endswith(".jsonl"):  # name the line datasets would only call a DatasetGenerationError
@@ -72,8 +81,10 @@ def open_table(path: str, field_name: str = "data.path"):
         raise
     except Exception as exc:  # noqa: BLE001  (arrow, json and file errors: one line naming the file)
         text = " ".join(str(exc).split())[:300]
-        raise DatasetError(f"{field_name}={path!r}: cannot be read as a dataset ({type(exc).__name__}: {text}); "
-                           f"check the file's format") from None
+        raise DatasetError(
+            f"{field_name}={path!r}: cannot be read as a dataset ({type(exc).__name__}: {text}); "
+            f"check the file's format"
+        ) from None
 
 
 def _has_text(path: str) -> bool:
@@ -105,8 +116,10 @@ def row_messages(row: dict, prompt_key: str, messages_key: str) -> tuple:
     messages, prompt = row.get(messages_key), row.get(prompt_key)
     if messages is not None:
         if not isinstance(messages, list):
-            return None, f"'{messages_key}' is a {type(messages).__name__}; it must be a list of " \
-                         f"{{role, content}} messages"
+            return (
+                None,
+                f"'{messages_key}' is a {type(messages).__name__}; it must be a list of {{role, content}} messages",
+            )
         if not messages:
             return None, f"'{messages_key}' is empty; give at least one {{role, content}} message"
         for k, m in enumerate(messages):
@@ -114,8 +127,11 @@ def row_messages(row: dict, prompt_key: str, messages_key: str) -> tuple:
                 return None, f"'{messages_key}'[{k}] is not a {{role: str, content: str}} message"
         return messages, None
     if prompt is None:
-        return None, f"no prompt; add a non-empty '{prompt_key}' string or a '{messages_key}' list (or set " \
-                     f"data.prompt_key / data.messages_key)"
+        return (
+            None,
+            f"no prompt; add a non-empty '{prompt_key}' string or a '{messages_key}' list (or set "
+            f"data.prompt_key / data.messages_key)",
+        )
     if not isinstance(prompt, str):
         return None, f"'{prompt_key}' is a {type(prompt).__name__}; it must be a string"
     if not prompt.strip():
@@ -139,11 +155,14 @@ def load_prompts(path: str, tokenizer, data_cfg, field_name: str = "data.path", 
     pk, mk, limit = data_cfg.prompt_key, data_cfg.messages_key, data_cfg.max_prompt_length
     columns = list(table.column_names)
     if pk not in columns and mk not in columns:
-        raise DatasetError(f"{path}: no '{pk}' or '{mk}' column (columns: {', '.join(columns)}); rename the "
-                           f"prompt column or set data.prompt_key / data.messages_key")
+        raise DatasetError(
+            f"{path}: no '{pk}' or '{mk}' column (columns: {', '.join(columns)}); rename the "
+            f"prompt column or set data.prompt_key / data.messages_key"
+        )
     rows, bad, too_long = [], [], 0
-    for i, row in enumerate(tqdm(table, desc=f"prompts {os.path.basename(path)}", unit="row",
-                                 disable=not progress or len(table) < 5000)):
+    for i, row in enumerate(
+        tqdm(table, desc=f"prompts {os.path.basename(path)}", unit="row", disable=not progress or len(table) < 5000)
+    ):
         messages, why = row_messages(row, pk, mk)
         if why:
             bad.append(f"{path}: row {i}: {why}")
@@ -158,8 +177,11 @@ def load_prompts(path: str, tokenizer, data_cfg, field_name: str = "data.path", 
         more = [f"{path}: ... and {len(bad) - MAX_REPORTED} more bad rows"] if len(bad) > MAX_REPORTED else []
         raise DatasetError("\n".join(bad[:MAX_REPORTED] + more))
     if not rows:
-        why = f"all {len(table)} prompts are longer than data.max_prompt_length={limit} tokens; raise it" \
-            if too_long else "no rows"
+        why = (
+            f"all {len(table)} prompts are longer than data.max_prompt_length={limit} tokens; raise it"
+            if too_long
+            else "no rows"
+        )
         raise DatasetError(f"{path}: {why}")
     return PromptSet(path, rows, len(table), too_long, columns)
 
@@ -197,13 +219,20 @@ class PromptStream:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "rows": len(self.rows), "seed": self.seed,
-                "shuffle": self.shuffle}
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("rows") != len(self.rows):
-            raise DatasetError(f"the saved prompt position is for a dataset of {state.get('rows')} rows, this one "
-                               f"has {len(self.rows)}; resume with the same data.path and data.max_prompt_length")
+            raise DatasetError(
+                f"the saved prompt position is for a dataset of {state.get('rows')} rows, this one "
+                f"has {len(self.rows)}; resume with the same data.path and data.max_prompt_length"
+            )
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.pos = state["epoch"], state["pos"]
         self.order = self._order(self.epoch)

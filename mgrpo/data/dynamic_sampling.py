@@ -14,6 +14,7 @@ counts and the advantages' statistics), so they only keep the shapes even. verl 
 `dynamic_sampling/limit_hit` and `dynamic_sampling/padding_groups`. Every rank sees every sample, so every rank
 takes the same decisions.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,7 @@ log = logging.getLogger("mgrpo.dynamic_sampling")
 @dataclass
 class SamplingCounts:
     """Logged as dynamic_sampling/<field>."""
+
     kept_groups: int = 0  # groups with signal in the trained batch
     dropped_groups: int = 0  # zero-signal groups seen over all rounds
     resample_rounds: int = 0  # extra generation rounds
@@ -50,8 +52,11 @@ def by_group(samples: list) -> list:
 def has_signal(group: list, overlong_filter: bool = False) -> bool:
     """True when the finite rewards of the group's samples that will train differ (std > 0); failed (NaN)
     rewards and, with the overlong filter, truncated samples do not count."""
-    rewards = [s.reward for s in group if s.reward is not None and math.isfinite(s.reward)
-               and not (overlong_filter and s.finish_reason == "length")]
+    rewards = [
+        s.reward
+        for s in group
+        if s.reward is not None and math.isfinite(s.reward) and not (overlong_filter and s.finish_reason == "length")
+    ]
     return len(rewards) > 1 and max(rewards) - min(rewards) > 0
 
 
@@ -64,8 +69,9 @@ def unit_groups(cfg, dp: int) -> int:
     return quantum // math.gcd(quantum, n)
 
 
-def collect(draw, target: int, unit: int, max_resample_times: int, warn: bool = True,
-            overlong_filter: bool = False) -> tuple:
+def collect(
+    draw, target: int, unit: int, max_resample_times: int, warn: bool = True, overlong_filter: bool = False
+) -> tuple:
     """(samples of the trained batch, SamplingCounts). `draw(round)` returns one round's scored samples."""
     counts, kept, dropped = SamplingCounts(), [], []
     for round_ in range(max_resample_times + 1):
@@ -84,15 +90,22 @@ def collect(draw, target: int, unit: int, max_resample_times: int, warn: bool = 
     else:
         counts.limit_hit = 1
         size = min(max(unit, -(-len(kept) // unit) * unit), len(kept) + len(dropped))
-        padding = dropped[:size - len(kept)]
+        padding = dropped[: size - len(kept)]
         for s in (s for g in padding for s in g):
             s.info[PADDING] = True
         chosen, counts.padding_groups = kept + padding, len(padding)
         if warn:
-            log.warning("dynamic sampling: %d of %d groups with reward signal after algorithm.max_resample_times=%d "
-                        "extra rounds; training on those %d only (%d zero-signal groups fill the batch to an evenly "
-                        "divisible size and train nothing)%s. Raise max_resample_times, or make the task harder or "
-                        "easier if most groups agree", len(kept), target, max_resample_times, len(kept),
-                        len(padding), "; this step trains nothing" if not kept else "")
+            log.warning(
+                "dynamic sampling: %d of %d groups with reward signal after algorithm.max_resample_times=%d "
+                "extra rounds; training on those %d only (%d zero-signal groups fill the batch to an evenly "
+                "divisible size and train nothing)%s. Raise max_resample_times, or make the task harder or "
+                "easier if most groups agree",
+                len(kept),
+                target,
+                max_resample_times,
+                len(kept),
+                len(padding),
+                "; this step trains nothing" if not kept else "",
+            )
     counts.kept_groups = min(len(kept), target)
     return [s for g in chosen for s in g], counts

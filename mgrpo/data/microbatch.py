@@ -1,4 +1,5 @@
 """Samples -> padded micro-batches of next-token targets, masks and per-token advantages."""
+
 from __future__ import annotations
 
 import torch
@@ -12,17 +13,37 @@ def dp_shard(items: list, dp_rank: int, dp_size: int) -> list:
     if len(items) % dp_size:
         raise ValueError(f"{len(items)} samples are not divisible by data-parallel size {dp_size}")
     n = len(items) // dp_size
-    return items[dp_rank * n: (dp_rank + 1) * n]
+    return items[dp_rank * n : (dp_rank + 1) * n]
 
 
-SEQ_KEYS = ("input_ids", "targets", "loss_mask", "advantages", "rollout_logp", "has_rollout", "token_weight",
-            "position_ids", "valid", "routing")
+SEQ_KEYS = (
+    "input_ids",
+    "targets",
+    "loss_mask",
+    "advantages",
+    "rollout_logp",
+    "has_rollout",
+    "token_weight",
+    "position_ids",
+    "valid",
+    "routing",
+)
 
 
-def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advantages=None,
-                      pad_to_multiple: int = 1, same_length: bool = False, token_weights=None,
-                      cp_rank: int = 0, cp_size: int = 1, device=None, groups: list | None = None,
-                      packing: bool = False) -> list:
+def make_microbatches(
+    samples: list,
+    micro_batch_size: int,
+    pad_id: int,
+    advantages=None,
+    pad_to_multiple: int = 1,
+    same_length: bool = False,
+    token_weights=None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    device=None,
+    groups: list | None = None,
+    packing: bool = False,
+) -> list:
     """Each micro-batch: input_ids, position_ids, attention_mask, targets (IGNORE_INDEX off the response),
     loss_mask [b, L] aligned with the logits, advantages, rollout_logp, has_rollout (0 for samples whose
     rollout_logprobs are None: their rollout_logp is not zeros to be trusted) and token_weight [b, L] (the
@@ -42,8 +63,9 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
     sizes = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     longest = max(sizes)
     if groups is None:
-        groups = [list(range(k, min(k + micro_batch_size, len(samples)))) for k in range(0, len(samples),
-                                                                                      micro_batch_size)]
+        groups = [
+            list(range(k, min(k + micro_batch_size, len(samples)))) for k in range(0, len(samples), micro_batch_size)
+        ]
     longest_row = max(sum(sizes[i] for i in g) for g in groups) if same_length else None
     for members in groups:
         group = [samples[i] for i in members]
@@ -77,11 +99,18 @@ def make_microbatches(samples: list, micro_batch_size: int, pad_id: int, advanta
             if advantages is not None:
                 adv[i] = float(advantages[members[i]])
         mb = {
-            "input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv * mask,
-            "rollout_logp": rollout_logp, "has_rollout": has_rollout, "token_weight": weight.float(),
+            "input_ids": ids,
+            "targets": targets,
+            "loss_mask": mask,
+            "advantages": adv * mask,
+            "rollout_logp": rollout_logp,
+            "has_rollout": has_rollout,
+            "token_weight": weight.float(),
             "position_ids": torch.arange(length)[None].expand(b, -1).contiguous(),
             "attention_mask": torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None],
-            "sample_index": list(members), "cp_size": cp_size, "valid": valid,
+            "sample_index": list(members),
+            "cp_size": cp_size,
+            "valid": valid,
         }
         if routing is not None:
             mb["routing"] = routing

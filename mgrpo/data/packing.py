@@ -10,6 +10,7 @@ The loss side does not change: the logprobs of the packed tokens are scattered b
 (`unpack`, differentiable), so every loss, aggregation and sequence sum sees the tensors of the padded path; under
 CP the [B, L] masks keep only this rank's tokens and sequence sums all-reduce over CP as before.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,9 @@ def balanced_dp_shard(lengths: list, dp_rank: int, dp_size: int) -> list:
     return sorted(members[dp_rank])
 
 
-def pack(mb: dict, lengths: list, pad_id: int, multiple: int, cp_rank: int, cp_size: int,
-         length: int | None = None) -> None:
+def pack(
+    mb: dict, lengths: list, pad_id: int, multiple: int, cp_rank: int, cp_size: int, length: int | None = None
+) -> None:
     """Add mb["packed"] (the model's one-row inputs) to a padded, not CP-split, micro-batch; under CP, keep only this
     rank's tokens in its [B, L] masks. `length` pads the row further (PP: one length for every micro-batch)."""
     b, width = mb["input_ids"].shape
@@ -63,15 +65,27 @@ def pack(mb: dict, lengths: list, pad_id: int, multiple: int, cp_rank: int, cp_s
     total = -(-total // multiple) * multiple
     pad = total - len(rows)
     index = torch.cat([rows * width + cols, torch.full((pad,), -1, dtype=torch.long)])
-    flat = lambda key, fill: torch.cat([mb[key].flatten()[index[: len(rows)]],  # noqa: E731
-                                        torch.full((pad,), fill, dtype=mb[key].dtype)])
-    packed = {"input_ids": flat("input_ids", pad_id), "targets": flat("targets", IGNORE_INDEX),
-              "valid": flat("valid", False), "position_ids": torch.cat([cols, torch.zeros(pad, dtype=torch.long)]),
-              "segments": torch.cat([rows, torch.full((pad,), b, dtype=torch.long)])}  # padding: its own segment
+
+    def flat(key, fill):
+        return torch.cat(
+            [
+                mb[key].flatten()[index[: len(rows)]],
+                torch.full((pad,), fill, dtype=mb[key].dtype),
+            ]
+        )
+
+    packed = {
+        "input_ids": flat("input_ids", pad_id),
+        "targets": flat("targets", IGNORE_INDEX),
+        "valid": flat("valid", False),
+        "position_ids": torch.cat([cols, torch.zeros(pad, dtype=torch.long)]),
+        "segments": torch.cat([rows, torch.full((pad,), b, dtype=torch.long)]),
+    }  # padding: its own segment
     if "routing" in mb:
         r = mb["routing"]
-        packed["routing"] = torch.cat([r.flatten(0, 1)[index[: len(rows)]],
-                                       torch.full((pad, *r.shape[2:]), -1, dtype=r.dtype)])
+        packed["routing"] = torch.cat(
+            [r.flatten(0, 1)[index[: len(rows)]], torch.full((pad, *r.shape[2:]), -1, dtype=r.dtype)]
+        )
     local = {k: split_for_cp(v[None], 1, cp_rank, cp_size)[0] for k, v in packed.items() if k != "segments"}
     local["index"] = split_for_cp(index[None], 1, cp_rank, cp_size)[0]
     local["rope_positions"] = packed["position_ids"]  # the whole row: megatron slices its RoPE table per CP rank

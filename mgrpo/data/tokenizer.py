@@ -4,6 +4,7 @@ transformers 5.x maps a folder whose config says model_type=qwen2 to `Qwen2Token
 its own pre-tokenizer and changes the ids of a generic byte-level `tokenizer.json`. Folders saved as a
 plain fast tokenizer (`TokenizersBackend` / `PreTrainedTokenizerFast`) are therefore loaded as exactly that.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Fused vocab-parallel logprobs, registries of policy losses / advantages / KL, aggregation."""
+
 from mgrpo.loss.registry import advantages, policy_loss, register_advantage, register_policy_loss  # noqa: F401
 
 

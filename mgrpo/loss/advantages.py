@@ -31,11 +31,12 @@ advantage 0 (there is no baseline), never NaN; a group whose rewards are all equ
 
 Statistics are computed in float64 over the whole (global) batch the caller passes; the result is float32.
 """
+
 from __future__ import annotations
 
-import torch
-
 import inspect
+
+import torch
 
 from mgrpo.loss.registry import advantages, register_advantage
 

@@ -11,6 +11,7 @@ DDP's average over DP x CP). Definitions match `mgrpo.loss.presets.aggregate_ref
 - seq-mean-token-sum (verl): 1 / (sequences in the batch)
 - seq-mean-token-sum-norm (Dr. GRPO): 1 / (sequences x max_len), max_len = rollout.max_tokens, a constant
 """
+
 from __future__ import annotations
 
 from mgrpo.loss.presets import AGGREGATIONS
@@ -47,7 +48,7 @@ def per_microbatch_mean_weights(samples: list, micro_batch_size: int) -> list:
     out = []
     n_mb = -(-len(samples) // micro_batch_size)
     for start in range(0, len(samples), micro_batch_size):
-        group = samples[start: start + micro_batch_size]
+        group = samples[start : start + micro_batch_size]
         tokens = max(sum(sum(s.loss_mask) for s in group), 1)
         out += [[m / tokens / n_mb for m in s.loss_mask] for s in group]
     return out

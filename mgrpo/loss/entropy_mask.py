@@ -13,6 +13,7 @@ that is the policy being trained; with several, the mask stays fixed over them (
 tokens). Masked tokens get advantage 0: their policy term vanishes, the KL term and the aggregation's token counts
 stay as they are (TRL's order: the mask multiplies the policy term only).
 """
+
 from __future__ import annotations
 
 import torch

@@ -23,6 +23,7 @@ Clamps (ms-swift ``_compute_loss_and_metrics`` L1130-1133, seed lines 1075-1077 
 clamped to ``[-20, 20]`` before ``exp`` and k3 is clamped to ``[-10, 10]``; we apply the same log-ratio clamp to k2
 (ms-swift has no k2) and none to k1. Where a clamp is active the token's gradient is 0.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -34,8 +35,9 @@ from mgrpo.registry import Registry
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
-KL_ESTIMATORS = Registry("KL estimator", builtins=("mgrpo.loss.kl",),
-                         aliases={"kl": "k1", "mse": "k2", "low_var_kl": "k3"})
+KL_ESTIMATORS = Registry(
+    "KL estimator", builtins=("mgrpo.loss.kl",), aliases={"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+)
 
 
 def register_kl(name: str, override: bool = False):

@@ -46,6 +46,7 @@ Semantics
 * Logits must be finite (as produced by a linear layer); ``-inf`` logits are not
   supported (they would give NaN in the entropy terms).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -83,8 +84,7 @@ def _tempered_copy(x: torch.Tensor, temperature: float, cdtype: torch.dtype) -> 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, targets, group, rank, world, temperature, compute_entropy, chunk,
-                ignore_index, vocab_size):
+    def forward(ctx, x, targets, group, rank, world, temperature, compute_entropy, chunk, ignore_index, vocab_size):
         # x: [N, V_local] (any float dtype), targets: [N] long.
         n_tok, v_local = x.shape
         cdtype = _compute_dtype(x.dtype)
@@ -247,7 +247,8 @@ def vocab_parallel_logprobs(
     if tuple(targets.shape) != tuple(logits_shard.shape[:-1]):
         raise ValueError(
             f"targets shape {tuple(targets.shape)} must equal logits_shard leading shape "
-            f"{tuple(logits_shard.shape[:-1])}")
+            f"{tuple(logits_shard.shape[:-1])}"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if tp_group is None:
@@ -260,8 +261,7 @@ def vocab_parallel_logprobs(
         vocab_size = padded
     vocab_size = int(vocab_size)
     if not 0 < vocab_size <= padded:
-        raise ValueError(
-            f"vocab_size={vocab_size} must be in (0, V_local * tp_size = {padded}]")
+        raise ValueError(f"vocab_size={vocab_size} must be in (0, V_local * tp_size = {padded}]")
     if chunk_size is None:
         chunk_size = default_chunk_size(v_local)
     chunk_size = int(chunk_size)
@@ -275,12 +275,22 @@ def vocab_parallel_logprobs(
         raise ValueError(
             f"target id {int(bad_ids[0])} is outside the vocabulary [0, {vocab_size}) "
             f"(vocab_size={vocab_size}, {int(bad_ids.numel())} bad position(s); "
-            f"ignore_index={ignore_index})")
+            f"ignore_index={ignore_index})"
+        )
 
     x = logits_shard.reshape(-1, v_local)  # a view for contiguous input; never written to
     out = _VocabParallelLogprobs.apply(
-        x, tgt, tp_group, rank, world, float(temperature), bool(compute_entropy),
-        chunk_size, int(ignore_index), vocab_size)
+        x,
+        tgt,
+        tp_group,
+        rank,
+        world,
+        float(temperature),
+        bool(compute_entropy),
+        chunk_size,
+        int(ignore_index),
+        vocab_size,
+    )
     shape = targets.shape
     if compute_entropy:
         logp, ent = out

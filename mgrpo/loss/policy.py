@@ -50,6 +50,7 @@ ratio gives 0, never ``0 * inf = NaN``; where the clamp is active the token has 
 Epsilons: ``cfg.epsilon_low`` / ``cfg.epsilon_high``; a value of None takes the loss's default from
 ``DEFAULT_EPSILONS``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -195,22 +196,23 @@ def _ppo_family(name, logp, old_logp, advantages, mask, cfg, ref_logp, rollout_i
 def ppo_clip(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None, seq_sum=None):
     """PPO clipped surrogate max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), r = exp(logp - old_logp), dual-clipped
     at -A * clip_ratio_c where A < 0."""
-    return _ppo_family("ppo_clip", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum,
-                       "token")
+    return _ppo_family(
+        "ppo_clip", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum, "token"
+    )
 
 
 @register_policy_loss("gspo")
 def gspo(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None, seq_sum=None):
     """GSPO: the clipped surrogate on the sequence ratio exp(seq_sum(mask * log r) / seq_sum(mask))."""
-    return _ppo_family("gspo", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum,
-                       "sequence")
+    return _ppo_family("gspo", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum, "sequence")
 
 
 @register_policy_loss("gspo_token")
 def gspo_token(logp, old_logp, advantages, mask, cfg, ref_logp=None, rollout_is_weights=None, seq_sum=None):
     """GSPO-token: the clipped surrogate on sg[s_i] * pi(y_t) / sg[pi(y_t)] (value s_i, per-token gradient)."""
-    return _ppo_family("gspo_token", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum,
-                       "sequence_token")
+    return _ppo_family(
+        "gspo_token", logp, old_logp, advantages, mask, cfg, ref_logp, rollout_is_weights, seq_sum, "sequence_token"
+    )
 
 
 @register_policy_loss("cispo")
@@ -261,6 +263,17 @@ def policy_loss_names():
     return tuple(DEFAULT_EPSILONS)
 
 
-__all__ = ["DEFAULT_AGGREGATION", "DEFAULT_EPSILONS", "DUAL_CLIP_VERL", "aggregation_of", "resolve_aggregation",
-           "resolve_epsilons", "ppo_clip", "gspo", "gspo_token", "cispo",
-           "sapo", "policy_loss_names"]
+__all__ = [
+    "DEFAULT_AGGREGATION",
+    "DEFAULT_EPSILONS",
+    "DUAL_CLIP_VERL",
+    "aggregation_of",
+    "resolve_aggregation",
+    "resolve_epsilons",
+    "ppo_clip",
+    "gspo",
+    "gspo_token",
+    "cispo",
+    "sapo",
+    "policy_loss_names",
+]

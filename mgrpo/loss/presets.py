@@ -38,6 +38,7 @@ Aggregation names (defined on one whole batch by ``aggregate_reference``; the di
 - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_{i,t} m l / (N * max_len)`` with the constant ``max_len`` =
   the maximum completion length (``rollout.max_tokens``), not the longest sequence of the batch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -63,8 +64,9 @@ PRESETS: dict[str, Preset] = {
     "grpo": Preset(policy_loss="ppo_clip", aggregation="seq-mean-token-mean", scale_rewards="group"),
     "bnpo": Preset(policy_loss="ppo_clip", aggregation="token-mean", scale_rewards="group"),
     "dr_grpo": Preset(policy_loss="ppo_clip", aggregation="seq-mean-token-sum-norm", scale_rewards="none"),
-    "dapo": Preset(policy_loss="ppo_clip", aggregation="token-mean", scale_rewards="group",
-                   epsilon_low=0.2, epsilon_high=0.28),
+    "dapo": Preset(
+        policy_loss="ppo_clip", aggregation="token-mean", scale_rewards="group", epsilon_low=0.2, epsilon_high=0.28
+    ),
     "cispo": Preset(policy_loss="cispo", aggregation="token-mean", scale_rewards="group", epsilon_high=5.0),
     "sapo": Preset(policy_loss="sapo", aggregation="seq-mean-token-mean", scale_rewards="group"),
 }
@@ -105,8 +107,9 @@ def apply_preset(cfg, name: str, user_set=frozenset()):
     return out
 
 
-def aggregate_reference(per_token_loss: torch.Tensor, mask: torch.Tensor, aggregation: str,
-                        max_len: Optional[int] = None) -> torch.Tensor:
+def aggregate_reference(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, aggregation: str, max_len: Optional[int] = None
+) -> torch.Tensor:
     """The definition of each aggregation on one whole (global) batch ``[N, L]``; for tests and single-process use."""
     mask = mask.to(per_token_loss.dtype)
     masked = per_token_loss * mask

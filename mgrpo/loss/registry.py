@@ -5,6 +5,7 @@
   [B, L] tensor per sequence, across CP ranks when the sequence is split.
 - advantages: fn(rewards [N], group_ids [N], cfg) -> [N]
 """
+
 from __future__ import annotations
 
 from typing import Callable

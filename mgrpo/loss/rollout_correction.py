@@ -39,17 +39,29 @@ engine both estimate ``KL(pi_rollout || pi_old)`` (k3 is the low-variance, non-n
 ``rollout_is_weight_mean``; and ``rollout_is_clip_frac`` (truncate modes: tokens whose weight was capped) or
 ``rollout_is_mask_frac`` (mask modes: tokens whose weight was zeroed).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
 
-MODES = ("token_truncate", "token_mask", "seq_geomean_truncate", "seq_geomean_mask", "seq_product_truncate",
-         "seq_product_mask")
-ALIASES = {"tis": "token_truncate", "mis": "token_mask",
-           "sequence_truncate": "seq_geomean_truncate", "sequence_mask": "seq_geomean_mask",  # ms-swift's names
-           "seq_tis": "seq_geomean_truncate", "seq_mis": "seq_geomean_mask"}
+MODES = (
+    "token_truncate",
+    "token_mask",
+    "seq_geomean_truncate",
+    "seq_geomean_mask",
+    "seq_product_truncate",
+    "seq_product_mask",
+)
+ALIASES = {
+    "tis": "token_truncate",
+    "mis": "token_mask",
+    "sequence_truncate": "seq_geomean_truncate",
+    "sequence_mask": "seq_geomean_mask",  # ms-swift's names
+    "seq_tis": "seq_geomean_truncate",
+    "seq_mis": "seq_geomean_mask",
+}
 LOG_RATIO_CLAMP = 20.0
 DEFAULT_THRESHOLD = 2.0
 
@@ -85,8 +97,16 @@ def rollout_offpolicy_metrics(old_logp, rollout_logp, mask, has_rollout=None) ->
         }
 
 
-def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, threshold: float = DEFAULT_THRESHOLD,
-                       lower: Optional[float] = None, seq_sum: Optional[Callable] = None, has_rollout=None):
+def rollout_is_weights(
+    old_logp,
+    rollout_logp,
+    mask,
+    mode: str,
+    threshold: float = DEFAULT_THRESHOLD,
+    lower: Optional[float] = None,
+    seq_sum: Optional[Callable] = None,
+    has_rollout=None,
+):
     """``(weights [B, L] detached, metrics)`` for one micro-batch; see the module docstring for the modes."""
     mode = ALIASES.get(mode, mode)
     if mode not in MODES:
@@ -125,8 +145,9 @@ def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, threshold: float
     return weights, metrics
 
 
-def rollout_is_weights_from_cfg(old_logp, rollout_logp, mask, cfg, seq_sum: Optional[Callable] = None,
-                                has_rollout=None):
+def rollout_is_weights_from_cfg(
+    old_logp, rollout_logp, mask, cfg, seq_sum: Optional[Callable] = None, has_rollout=None
+):
     """Reads ``cfg.rollout_is_mode`` (None: no correction, weights None, metrics still computed when rollout logprobs
     are given), ``cfg.rollout_is_threshold`` (2.0) and ``cfg.rollout_is_lower`` (None)."""
     if rollout_logp is None:
@@ -134,7 +155,13 @@ def rollout_is_weights_from_cfg(old_logp, rollout_logp, mask, cfg, seq_sum: Opti
     mode = getattr(cfg, "rollout_is_mode", None)
     if mode is None:
         return None, rollout_offpolicy_metrics(old_logp, rollout_logp, mask, has_rollout)
-    return rollout_is_weights(old_logp, rollout_logp, mask, mode,
-                              threshold=getattr(cfg, "rollout_is_threshold", DEFAULT_THRESHOLD),
-                              lower=getattr(cfg, "rollout_is_lower", None), seq_sum=seq_sum,
-                              has_rollout=has_rollout)
+    return rollout_is_weights(
+        old_logp,
+        rollout_logp,
+        mask,
+        mode,
+        threshold=getattr(cfg, "rollout_is_threshold", DEFAULT_THRESHOLD),
+        lower=getattr(cfg, "rollout_is_lower", None),
+        seq_sum=seq_sum,
+        has_rollout=has_rollout,
+    )

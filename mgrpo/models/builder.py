@@ -1,4 +1,5 @@
 """HF config -> megatron TransformerConfig + layer spec -> this rank's GPTModel chunks."""
+
 from __future__ import annotations
 
 import functools
@@ -38,19 +39,40 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
     family = get_family(info.family)
     dtype = _DTYPES[params_dtype]
     kwargs = dict(
-        num_layers=info.num_hidden_layers, hidden_size=info.hidden_size, ffn_hidden_size=info.intermediate_size,
-        num_attention_heads=info.num_attention_heads, num_query_groups=info.num_key_value_heads,
-        kv_channels=info.head_dim, layernorm_epsilon=info.rms_norm_eps, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=info.attention_bias,
-        qk_layernorm=family.qk_layernorm, attention_dropout=0.0, hidden_dropout=0.0,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        num_layers=info.num_hidden_layers,
+        hidden_size=info.hidden_size,
+        ffn_hidden_size=info.intermediate_size,
+        num_attention_heads=info.num_attention_heads,
+        num_query_groups=info.num_key_value_heads,
+        kv_channels=info.head_dim,
+        layernorm_epsilon=info.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=info.attention_bias,
+        qk_layernorm=family.qk_layernorm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
-        context_parallel_size=parallel.cp, sequence_parallel=bool(parallel.sp),
-        use_cpu_initialization=device().type == "cpu", perform_initialization=True, init_method_std=0.02,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=bool(parallel.sp),
+        use_cpu_initialization=device().type == "cpu",
+        perform_initialization=True,
+        init_method_std=0.02,
         variable_seq_lengths=False,  # PP micro-batches share one length (see data/microbatch.py)
         batch_p2p_comm=(on_cuda() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
@@ -58,8 +80,11 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         from mgrpo.models.qwen3_moe import megatron_moe_kwargs
 
         o = moe or _default_moe()
-        kwargs.update(megatron_moe_kwargs(info.moe, parallel.ep, o.aux_loss_coeff, o.z_loss_coeff,
-                                          o.token_dispatcher, o.grouped_gemm))
+        kwargs.update(
+            megatron_moe_kwargs(
+                info.moe, parallel.ep, o.aux_loss_coeff, o.z_loss_coeff, o.token_dispatcher, o.grouped_gemm
+            )
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -116,6 +141,7 @@ def with_bias(linear_cls: type) -> type:
     separately (skip_bias_add), and attention/MLP add it as they would with add_bias_linear: the MLP before
     its activation, the transformer layer in bias_dropout_add. Cached, so every layer shares one class.
     """
+
     def __init__(self, *args, **kwargs):
         kwargs["bias"] = True
         linear_cls.__init__(self, *args, **kwargs)
@@ -152,7 +178,8 @@ def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
     smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor)
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -180,9 +207,17 @@ def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SPRMSNorm)
 
 
-def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "float32",
-                make_vocab_size_divisible_by: int = 128, config_overrides: Optional[dict] = None,
-                seed: int = 1234, moe=None, use_te: Optional[bool] = None, packing: bool = False) -> list:
+def build_model(
+    model: Union[str, ModelInfo],
+    parallel,
+    params_dtype: str = "float32",
+    make_vocab_size_divisible_by: int = 128,
+    config_overrides: Optional[dict] = None,
+    seed: int = 1234,
+    moe=None,
+    use_te: Optional[bool] = None,
+    packing: bool = False,
+) -> list:
     """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first. `moe`: the
     config's MoeConfig (a model with experts only). `use_te`: None = TransformerEngine's spec where it imports.
     `packing`: runs packed rows (train.sequence_packing; the local spec with our core attention)."""
@@ -200,15 +235,22 @@ def build_model(model: Union[str, ModelInfo], parallel, params_dtype: str = "flo
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
-            config=config, transformer_layer_spec=_block_spec(config, info, stage, use_te, packing), vocab_size=vocab,
+            config=config,
+            transformer_layer_spec=_block_spec(config, info, stage, use_te, packing),
+            vocab_size=vocab,
             max_sequence_length=info.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            parallel_output=True, share_embeddings_and_output_weights=info.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=info.rope.theta, vp_stage=stage)
+            parallel_output=True,
+            share_embeddings_and_output_weights=info.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=info.rope.theta,
+            vp_stage=stage,
+        )
         if info.rope.kind == "llama3" and getattr(chunk, "rotary_pos_emb", None) is not None:
-            chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(info.rope, info.head_dim,
-                                                            device=chunk.rotary_pos_emb.inv_freq.device)
+            chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(
+                info.rope, info.head_dim, device=chunk.rotary_pos_emb.inv_freq.device
+            )
         chunk.mgrpo_info = info  # the HF facts export/load need (vocab size, family)
         chunks.append(chunk)
     # a plan builds on meta under `with torch.device("meta")`; a run on its device
@@ -232,4 +274,5 @@ def check_placement(chunks: list, dev: torch.device) -> None:
                     raise PlacementError(
                         f"model chunk {i}: {kind} {name} {tuple(t.shape)} is on {t.device}, the run's device is "
                         f"{dev}; its module was built without a device (build it on "
-                        f"torch.cuda.current_device() unless config.use_cpu_initialization, as megatron does)")
+                        f"torch.cuda.current_device() unless config.use_cpu_initialization, as megatron does)"
+                    )

@@ -20,6 +20,7 @@ not supported and raise. The CP group comes from `cp_group`, else `pg_collection
 parallel_state CP group; never WORLD. `cp_comm_type` is accepted for signature compatibility and ignored (this
 is always all-gather K/V). Memory is O(s_local * S) scores per head: fine for the sizes we train on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,6 @@ import math
 from typing import Optional
 
 import torch
-from torch import Tensor
-
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -37,11 +36,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+from torch import Tensor
 
 from mgrpo.parallel.context_parallel import (
-    rank_major_positions,
     all_gather_seq_rank_major,
     cp_rank_size,
+    rank_major_positions,
     zigzag_indices,
 )
 
@@ -95,8 +95,10 @@ class CPDotProductAttention(MegatronModule):
         self.cp_group = cp_group
         _, cp_size = cp_rank_size(cp_group)
         if cp_size != config.context_parallel_size:
-            raise ValueError(f"CP group has {cp_size} ranks but config.context_parallel_size is "
-                             f"{config.context_parallel_size}; pass the right cp_group / pg_collection")
+            raise ValueError(
+                f"CP group has {cp_size} ranks but config.context_parallel_size is "
+                f"{config.context_parallel_size}; pass the right cp_group / pg_collection"
+            )
 
         tp_size = self.tp_group.size() if self.tp_group is not None else 1
         projection_size = config.kv_channels * config.num_attention_heads
@@ -105,8 +107,9 @@ class CPDotProductAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
 
-        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
-                              if softmax_scale is None else softmax_scale)
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None else softmax_scale
+        )
         self.coeff = None
         if config.apply_query_key_layer_scaling:  # same product as megatron: scale / layer, then * layer in fp32
             self.coeff = self.layer_number
@@ -115,10 +118,12 @@ class CPDotProductAttention(MegatronModule):
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise NotImplementedError("CPDotProductAttention does not support sliding-window attention")
         if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"CPDotProductAttention supports softmax_type='vanilla' only, "
-                                      f"got {config.softmax_type!r}")
+            raise NotImplementedError(
+                f"CPDotProductAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
         self.attention_dropout = torch.nn.Dropout(
-            config.attention_dropout if attention_dropout is None else attention_dropout)
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
     def forward(
         self,
@@ -170,8 +175,12 @@ class CPDotProductAttention(MegatronModule):
             value = value.repeat_interleave(n_heads // groups, dim=2)
 
         if _SEGMENTS is not None and cp_size == 1:  # a packed row on one rank: each sample on its own
-            return torch.cat([self._attend(query[a:e], key[a:e], value[a:e], q_pos[: e - a], k_pos[: e - a])
-                              for a, e in _runs(_SEGMENTS)])
+            return torch.cat(
+                [
+                    self._attend(query[a:e], key[a:e], value[a:e], q_pos[: e - a], k_pos[: e - a])
+                    for a, e in _runs(_SEGMENTS)
+                ]
+            )
         blocked = None
         if _SEGMENTS is not None:  # a packed row split over CP: only keys of the query's own sample
             seg = _SEGMENTS.to(device)

@@ -1,4 +1,5 @@
 """Plain (non-pipelined) megatron forward helpers used by tests and single-stage evaluation."""
+
 from __future__ import annotations
 
 import torch

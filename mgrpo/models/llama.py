@@ -1,4 +1,5 @@
 """Llama 2/3: Llama-3.1 rope scaling (llama3 type) is applied from the config's own values."""
+
 from mgrpo.models.registry import Biases, Family, register_family
 
 
@@ -9,5 +10,6 @@ def llama_biases(raw: dict) -> Biases:
     return Biases(qkv=attn, o_proj=attn, mlp=bool(raw.get("mlp_bias", False)))
 
 
-LLAMA = register_family(Family(name="llama", architectures=("LlamaForCausalLM",), biases=llama_biases,
-                               qk_layernorm=False))
+LLAMA = register_family(
+    Family(name="llama", architectures=("LlamaForCausalLM",), biases=llama_biases, qk_layernorm=False)
+)

@@ -13,6 +13,7 @@ Replicated factors that see only this rank's tokens under SP (column A, row B) c
 megatron's finalize_model_grads sums their gradients over TP as it does for norms. The adapter modules hang beside
 their linear (`linear_qkv_lora` next to `linear_qkv`), so every base name, mapping and checkpoint key stays.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,13 +24,22 @@ import math
 import torch
 
 # HF module -> (megatron linear, kind); the order of each fused linear's parts is its output layout's order
-HF_TARGETS = {"q_proj": ("linear_qkv", "column"), "k_proj": ("linear_qkv", "column"),
-              "v_proj": ("linear_qkv", "column"), "o_proj": ("linear_proj", "row"),
-              "gate_proj": ("linear_fc1", "column"), "up_proj": ("linear_fc1", "column"),
-              "down_proj": ("linear_fc2", "row")}
+HF_TARGETS = {
+    "q_proj": ("linear_qkv", "column"),
+    "k_proj": ("linear_qkv", "column"),
+    "v_proj": ("linear_qkv", "column"),
+    "o_proj": ("linear_proj", "row"),
+    "gate_proj": ("linear_fc1", "column"),
+    "up_proj": ("linear_fc1", "column"),
+    "down_proj": ("linear_fc2", "row"),
+}
 ALL_LINEAR = tuple(HF_TARGETS)
-_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+_PARTS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
 _HF_PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 SUFFIX = "_lora"  # adapter module of `linear_qkv` is `linear_qkv_lora`
 
@@ -80,7 +90,7 @@ class LoraAdapter(torch.nn.Module):
                 a_local, b_local = a, torch.zeros(out_full // self.tp, r, dtype=torch.float64)
             else:
                 step = in_full // self.tp
-                a_local, b_local = a[:, self.tp_rank * step:(self.tp_rank + 1) * step], torch.zeros(out_full, r)
+                a_local, b_local = a[:, self.tp_rank * step : (self.tp_rank + 1) * step], torch.zeros(out_full, r)
             self.register_parameter(f"{part}_A", torch.nn.Parameter(a_local.to(dtype).contiguous()))
             self.register_parameter(f"{part}_B", torch.nn.Parameter(b_local.to(dtype).contiguous()))
         self._set_parallel_attributes()
@@ -109,8 +119,10 @@ class LoraAdapter(torch.nn.Module):
             nh, ng, hd = self.heads
             g = ng // self.tp
             widths = {"q_proj": nh // ng * hd, "k_proj": hd, "v_proj": hd}
-            pieces = [deltas[p].reshape(*lead, g, widths[p]) if p in deltas else like.new_zeros(*lead, g, widths[p])
-                      for p in ("q_proj", "k_proj", "v_proj")]
+            pieces = [
+                deltas[p].reshape(*lead, g, widths[p]) if p in deltas else like.new_zeros(*lead, g, widths[p])
+                for p in ("q_proj", "k_proj", "v_proj")
+            ]
             return torch.cat(pieces, -1).reshape(*lead, -1)
         if self.linear_name == "linear_fc1":
             n = next(iter(deltas.values())).shape[-1]
@@ -121,14 +133,21 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core import tensor_parallel as tpl
 
         x, r = self.dropout(x), self.rank
-        a = torch.cat([getattr(self, f"{p}_A") for p in self.parts]) if len(self.parts) > 1 else \
-            getattr(self, f"{self.parts[0]}_A")
+        a = (
+            torch.cat([getattr(self, f"{p}_A") for p in self.parts])
+            if len(self.parts) > 1
+            else getattr(self, f"{self.parts[0]}_A")
+        )
         u = x @ a.t()
         if self.kind == "column":
             u = tpl.gather_from_sequence_parallel_region(u) if self.sp else tpl.copy_to_tensor_model_parallel_region(u)
-            deltas = {p: u[..., i * r:(i + 1) * r] @ getattr(self, f"{p}_B").t() for i, p in enumerate(self.parts)}
+            deltas = {p: u[..., i * r : (i + 1) * r] @ getattr(self, f"{p}_B").t() for i, p in enumerate(self.parts)}
             return self._arrange(deltas) * self.scaling
-        u = tpl.reduce_scatter_to_sequence_parallel_region(u) if self.sp else tpl.reduce_from_tensor_model_parallel_region(u)
+        u = (
+            tpl.reduce_scatter_to_sequence_parallel_region(u)
+            if self.sp
+            else tpl.reduce_from_tensor_model_parallel_region(u)
+        )
         return (u @ getattr(self, f"{self.parts[0]}_B").t()) * self.scaling
 
     @torch.no_grad()
@@ -148,6 +167,7 @@ class LoraAdapter(torch.nn.Module):
 @functools.lru_cache(maxsize=None)
 def _with_adapter(linear_cls: type) -> type:
     """`linear_cls` whose output gains its adapter's (megatron linears return (output, bias))."""
+
     def forward(self, x, *args, **kwargs):
         out, bias = linear_cls.forward(self, x, *args, **kwargs)
         adapter = self.__dict__.get("_mgrpo_lora")
@@ -160,10 +180,22 @@ def _with_adapter(linear_cls: type) -> type:
 
 def hf_shapes(info) -> dict:
     """HF (out, in) of every target module."""
-    h, hd, nh, ng, f = info.hidden_size, info.head_dim, info.num_attention_heads, info.num_key_value_heads, \
-        info.intermediate_size
-    return {"q_proj": (nh * hd, h), "k_proj": (ng * hd, h), "v_proj": (ng * hd, h), "o_proj": (h, nh * hd),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    h, hd, nh, ng, f = (
+        info.hidden_size,
+        info.head_dim,
+        info.num_attention_heads,
+        info.num_key_value_heads,
+        info.intermediate_size,
+    )
+    return {
+        "q_proj": (nh * hd, h),
+        "k_proj": (ng * hd, h),
+        "v_proj": (ng * hd, h),
+        "o_proj": (h, nh * hd),
+        "gate_proj": (f, h),
+        "up_proj": (f, h),
+        "down_proj": (h, f),
+    }
 
 
 def _targets(layer) -> list:
@@ -189,8 +221,9 @@ def apply_lora(chunks: list, lora, seed: int) -> None:
                 if not parts:
                     continue
                 linear = getattr(parent, name)
-                adapter = LoraAdapter(name, layer.layer_number - 1, parts, sizes, lora, info, seed,
-                                      linear.weight.dtype).to(linear.weight.device)
+                adapter = LoraAdapter(
+                    name, layer.layer_number - 1, parts, sizes, lora, info, seed, linear.weight.dtype
+                ).to(linear.weight.device)
                 adapter.sp = bool(chunk.config.sequence_parallel)
                 parent.add_module(name + SUFFIX, adapter)
                 linear.__class__ = _with_adapter(type(linear))
@@ -285,17 +318,30 @@ def peft_tensors(chunks: list, select=None, dense: bool = True, **_ignored):
 
 def peft_config(lora, base_model: str = "") -> dict:
     """adapter_config.json for PEFT (and vLLM's LoRA loader)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": list(lora_targets(lora)), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
-            "base_model_name_or_path": base_model, "modules_to_save": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora_targets(lora)),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model,
+        "modules_to_save": None,
+    }
 
 
 def trainable_count(info, lora) -> int:
     """Adapter parameters of the whole model (PEFT's count for the same targets and rank)."""
     sizes, n = hf_shapes(info), 0
-    dense_layers = range(info.num_hidden_layers) if info.moe is None else \
-        [g for g in range(info.num_hidden_layers) if not info.moe.sparse_layers[g]]
+    dense_layers = (
+        range(info.num_hidden_layers)
+        if info.moe is None
+        else [g for g in range(info.num_hidden_layers) if not info.moe.sparse_layers[g]]
+    )
     for part in lora_targets(lora):
         out, inp = sizes[part]
         layers = info.num_hidden_layers if HF_TARGETS[part][0] in ("linear_qkv", "linear_proj") else len(dense_layers)

@@ -4,6 +4,7 @@ Under SP each TP rank normalises a different slice of the sequence, so the weigh
 partial sum; marking `weight.sequence_parallel` makes megatron's finalize_model_grads all-reduce it
 over TP. q/k norms see different heads per TP rank and megatron reduces those by name instead.
 """
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5: Llama layout plus q/k/v biases."""
+
 from mgrpo.models.registry import Biases, Family, register_family
 
 
@@ -8,5 +9,6 @@ def qwen2_biases(raw: dict) -> Biases:
     return Biases(qkv=True)
 
 
-QWEN2 = register_family(Family(name="qwen2", architectures=("Qwen2ForCausalLM",), biases=qwen2_biases,
-                               qk_layernorm=False))
+QWEN2 = register_family(
+    Family(name="qwen2", architectures=("Qwen2ForCausalLM",), biases=qwen2_biases, qk_layernorm=False)
+)

@@ -1,4 +1,5 @@
 """Qwen3: RMSNorm on q and k per head, explicit head_dim; no biases unless attention_bias is set."""
+
 from mgrpo.models.registry import Biases, Family, register_family
 
 
@@ -8,5 +9,6 @@ def qwen3_biases(raw: dict) -> Biases:
     return Biases(qkv=attn, o_proj=attn)
 
 
-QWEN3 = register_family(Family(name="qwen3", architectures=("Qwen3ForCausalLM",), biases=qwen3_biases,
-                               qk_layernorm=True))
+QWEN3 = register_family(
+    Family(name="qwen3", architectures=("Qwen3ForCausalLM",), biases=qwen3_biases, qk_layernorm=True)
+)

@@ -1,4 +1,5 @@
 """Model families by HF architecture name; each family lives in its own small file."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class Biases:
     """Which linears carry a bias: q/k/v, the attention output (o_proj), and the MLP (gate, up, down)."""
+
     qkv: bool = False
     o_proj: bool = False
     mlp: bool = False
@@ -23,6 +25,7 @@ class Biases:
 @dataclass(frozen=True)
 class MoeSpec:
     """A mixture-of-experts MLP as HF computes it (read from config.json by the family's `moe` parser)."""
+
     num_experts: int
     topk: int
     ffn_hidden_size: int  # per expert
@@ -41,8 +44,10 @@ class Family:
     moe: Optional[Callable[[dict], MoeSpec]] = None  # config.json -> the experts (None: a dense family)
 
 
-FAMILIES = Registry("model family", builtins=("mgrpo.models.llama", "mgrpo.models.qwen2", "mgrpo.models.qwen3",
-                                              "mgrpo.models.qwen3_moe"))
+FAMILIES = Registry(
+    "model family",
+    builtins=("mgrpo.models.llama", "mgrpo.models.qwen2", "mgrpo.models.qwen3", "mgrpo.models.qwen3_moe"),
+)
 
 
 def register_family(family: Family, override: bool = False) -> Family:

@@ -10,6 +10,7 @@ tokens, MoE needs SP with TP, and a PP rank fills only its layers), so every ran
 top-k so that perfect balance reads 1.0 (megatron's `moe_aux_loss_coeff` scales the same quantity): it is
 reported whether or not `model.moe.aux_loss_coeff` puts it in the loss.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,9 @@ class RouterStats(StepSums):
                     scores, routing_map = scores[valid.to(scores.device)], routing_map[valid.to(scores.device)]
                 row = self.sums[layer]
                 row[: self.num_experts] += routing_map.sum(0).double().cpu()
-                row[self.num_experts: 2 * self.num_experts] += scores.sum(0).double().cpu()
+                row[self.num_experts : 2 * self.num_experts] += scores.sum(0).double().cpu()
                 row[-1] += scores.shape[0]
+
         return hook
 
     def reduce(self, group=None) -> dict:
@@ -77,18 +79,27 @@ def router_metrics(sums: torch.Tensor, num_experts: int, topk: int) -> dict:
         tokens = float(row[-1])
         if tokens == 0:
             continue
-        counts, probs = row[:num_experts], row[num_experts: 2 * num_experts]
+        counts, probs = row[:num_experts], row[num_experts : 2 * num_experts]
         mean = float(counts.mean())
         cv = float(counts.std(unbiased=False)) / mean if mean else 0.0
         loss = num_experts * float((counts / tokens * probs / tokens).sum()) / topk
-        out.update({f"moe/layer_{layer:02d}/tokens_per_expert_min": float(counts.min()),
-                    f"moe/layer_{layer:02d}/tokens_per_expert_max": float(counts.max()),
-                    f"moe/layer_{layer:02d}/tokens_per_expert_cv": cv,
-                    f"moe/layer_{layer:02d}/aux_loss": loss})
+        out.update(
+            {
+                f"moe/layer_{layer:02d}/tokens_per_expert_min": float(counts.min()),
+                f"moe/layer_{layer:02d}/tokens_per_expert_max": float(counts.max()),
+                f"moe/layer_{layer:02d}/tokens_per_expert_cv": cv,
+                f"moe/layer_{layer:02d}/aux_loss": loss,
+            }
+        )
         cvs.append(cv)
         aux.append(loss)
         peak.append(float(counts.max()) / mean if mean else 0.0)
     if cvs:
-        out.update({"moe/tokens_per_expert_cv": sum(cvs) / len(cvs), "moe/aux_loss": sum(aux) / len(aux),
-                    "moe/max_load_over_mean": max(peak)})
+        out.update(
+            {
+                "moe/tokens_per_expert_cv": sum(cvs) / len(cvs),
+                "moe/aux_loss": sum(aux) / len(aux),
+                "moe/max_load_over_mean": max(peak),
+            }
+        )
     return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}

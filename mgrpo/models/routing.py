@@ -11,6 +11,7 @@ prompt and every response token but the last (`Sample.routed_experts`, [tokens, 
 Whether replay is on or off, every forward that carries records also measures router agreement: the share of
 recorded tokens whose own top-k set equals the engine's (`moe/router_agreement`, per layer and overall).
 """
+
 from __future__ import annotations
 
 import base64

@@ -5,6 +5,7 @@ random model into one that sometimes answers `What is 23 + 45?` with `\\boxed{68
 Problems listed in the validation file (its `a` and `b` columns) are never trained on. Prompts are encoded
 exactly as the data loader does (chat template with the generation prompt); the loss covers the answer tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def held_out_pairs(path: str) -> set:
 
 def addition_pairs(rng: random.Random, exclude: set, low: int, high: int):
     """Endless random (a, b) in [low, high]^2, never one in `exclude`."""
-    if (high - low + 1) ** 2 <= len(exclude) and all((a, b) in exclude for a in range(low, high + 1)
-                                                    for b in range(low, high + 1)):
+    if (high - low + 1) ** 2 <= len(exclude) and all(
+        (a, b) in exclude for a in range(low, high + 1) for b in range(low, high + 1)
+    ):
         raise ValueError(f"every problem in [{low}, {high}] is held out; nothing left to warm-start on")
     while True:
         a, b = rng.randint(low, high), rng.randint(low, high)
@@ -43,8 +45,17 @@ def addition_pairs(rng: random.Random, exclude: set, low: int, high: int):
             yield a, b
 
 
-def warm_start(model_dir: str, steps: int, exclude: set, low: int = 0, high: int = 99, batch_size: int = 64,
-               lr: float = 3e-3, seed: int = 0, progress: bool = True) -> dict:
+def warm_start(
+    model_dir: str,
+    steps: int,
+    exclude: set,
+    low: int = 0,
+    high: int = 99,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Train model_dir's weights in place on addition problems outside `exclude`; returns {loss, seconds, steps}."""
     import torch
     from tqdm import tqdm
@@ -68,8 +79,9 @@ def warm_start(model_dir: str, steps: int, exclude: set, low: int = 0, high: int
         p = encode_prompt(tok, [{"role": "user", "content": question(a, b)}])
         return p, tok.encode(answer(a, b), add_special_tokens=False) + [tok.eos_token_id]
 
-    for step in tqdm(range(steps), desc="warm start (addition SFT)", disable=not progress, leave=False,
-                     mininterval=2.0):
+    for step in tqdm(
+        range(steps), desc="warm start (addition SFT)", disable=not progress, leave=False, mininterval=2.0
+    ):
         batch = [example() for _ in range(batch_size)]
         width = max(len(p) + len(r) for p, r in batch)
         ids = torch.full((batch_size, width), tok.pad_token_id)
@@ -77,7 +89,7 @@ def warm_start(model_dir: str, steps: int, exclude: set, low: int = 0, high: int
         mask = torch.zeros(batch_size, width, dtype=torch.long)
         for i, (p, r) in enumerate(batch):
             ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p): len(p) + len(r)] = torch.tensor(r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
             mask[i, : len(p) + len(r)] = 1
         for group in opt.param_groups:  # linear warmup, cosine decay
             group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))

@@ -15,6 +15,7 @@ parallelism), builds the FULL-length RoPE table and slices it itself with `get_p
 ALREADY zigzag-split with `split_for_cp(..., seq_dim=1, ...)`, of local length S/cp; position ids may be the
 zigzag ones (`cp_position_ids`) for clarity, but GPTModel does not read them with RoPE.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -29,7 +30,8 @@ def _check_len(seq_len: int, cp_size: int) -> None:
     if seq_len % (2 * cp_size) != 0 and cp_size > 1:
         raise ValueError(
             f"context parallelism needs the sequence length divisible by 2*cp = {2 * cp_size}, got {seq_len}; "
-            f"pad sequences to a multiple of {2 * cp_size}")
+            f"pad sequences to a multiple of {2 * cp_size}"
+        )
 
 
 def zigzag_indices(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.LongTensor:

@@ -7,6 +7,7 @@ RNG calls routed to the CPU generator, `torch.cuda.current_device()` answering "
 one in-order host stream (megatron's MoE all-to-all dispatcher copies token counts on a side stream and syncs
 on an event: on CPU the copies are already done, so every stream is the same no-op stream).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,6 +71,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 class _HostStream:
     """torch.cuda.Stream / current_stream / record_event on CPU: work is in order, so nothing waits. A class (one
     instance), as modules annotate with `torch.cuda.Stream | None`."""
+
     _one = None
 
     def __new__(cls, *args, **kwargs):
@@ -118,6 +120,7 @@ def _as_host_splits(tensor, as_numpy: bool = False, record_stream: bool = False)
 def _uneven_gather(original):
     """megatron's `_gather_along_first_dim` with `output_split_sizes` hands all_gather parts of different lengths
     (NCCL takes them, gloo refuses): on gloo, gather parts padded to the longest, then cut each to its length."""
+
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
@@ -133,13 +136,14 @@ def _uneven_gather(original):
 
 def _uneven_reduce_scatter(original):
     """The inverse with `input_split_sizes`: on gloo, sum the whole tensor over the group and keep this rank's part."""
+
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
         full = input_.contiguous().clone()
         torch.distributed.all_reduce(full, group=group)
         start = int(sum(input_split_sizes[: group.rank()]))
-        return full[start: start + int(input_split_sizes[group.rank()])].clone()
+        return full[start : start + int(input_split_sizes[group.rank()])].clone()
 
     return reduce_scatter
 

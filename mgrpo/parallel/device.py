@@ -11,19 +11,32 @@ raises `DevicePlacementError` when a tensor on the wrong device reaches one (a C
 device tensor on the CPU group). With `device()` set to `meta` it stands in for CUDA on a CPU machine: meta
 tensors are checked and then not communicated (they hold no data), CPU tensors on the CPU group run for real.
 """
+
 from __future__ import annotations
 
 import contextlib
-import json
 import functools
+import json
 
 import torch
 import torch.distributed as dist
 
 _state = {"device": torch.device("cpu"), "cpu_group": None}
 
-TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
-                      "reduce_scatter_tensor", "gather", "scatter", "reduce", "isend", "irecv")
+TENSOR_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "send",
+    "recv",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "reduce",
+    "isend",
+    "irecv",
+)
 
 
 class DevicePlacementError(RuntimeError):
@@ -84,9 +97,11 @@ def _checked(name: str, original):
         for t in tensors:
             if t.device.type != want:
                 where = "the CPU (gloo) group" if on_cpu_group else "a device group"
-                raise DevicePlacementError(f"torch.distributed.{name} got a {t.device.type} tensor "
-                                           f"{tuple(t.shape)} {t.dtype} on {where}; expected {want} (CPU objects "
-                                           f"go over mgrpo.parallel.device.cpu_group(), model tensors on device())")
+                raise DevicePlacementError(
+                    f"torch.distributed.{name} got a {t.device.type} tensor "
+                    f"{tuple(t.shape)} {t.dtype} on {where}; expected {want} (CPU objects "
+                    f"go over mgrpo.parallel.device.cpu_group(), model tensors on device())"
+                )
         if tensors and all(t.device.type == "meta" for t in tensors):
             return None  # the stand-in for CUDA holds no data: placement checked, nothing to send
         return original(*args, **kwargs)
@@ -122,8 +137,11 @@ def share_json(payload, owners: list) -> list:
         data = json.dumps(payload).encode() if me == src else b""
         size = torch.tensor([len(data)], dtype=torch.long)
         dist.broadcast(size, src, group=cpu_group())
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
-            torch.empty(int(size), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if me == src
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         dist.broadcast(buf, src, group=cpu_group())
         out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
     return out

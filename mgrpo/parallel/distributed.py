@@ -1,5 +1,6 @@
 """Start torch.distributed from torchrun or Slurm variables (nccl with CUDA, gloo without) and choose the one
 device (`mgrpo.parallel.device`)."""
+
 from __future__ import annotations
 
 import os
@@ -40,13 +41,20 @@ def read_dist_env(environ=None) -> DistEnv:
     """torchrun variables win; else Slurm's; else a single local process."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+        return DistEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+            "torchrun",
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
         port = int(env.get("MASTER_PORT", 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                       addr, port, "slurm")
+        return DistEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm"
+        )
     return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or free_port(), "single")
 
 
@@ -77,15 +85,25 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
         from mgrpo.parallel.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
-    os.environ.update(MASTER_ADDR=denv.master_addr, MASTER_PORT=str(denv.master_port),
-                      RANK=str(denv.rank), WORLD_SIZE=str(denv.world_size), LOCAL_RANK=str(denv.local_rank))
+    os.environ.update(
+        MASTER_ADDR=denv.master_addr,
+        MASTER_PORT=str(denv.master_port),
+        RANK=str(denv.rank),
+        WORLD_SIZE=str(denv.world_size),
+        LOCAL_RANK=str(denv.local_rank),
+    )
     from datetime import timedelta
 
     # a single process needs no rendezvous: an in-memory store, so no port can be taken between free_port() and
     # the bind (a vLLM server starting beside it grabs ports too); several ranks meet on MASTER_ADDR:MASTER_PORT
     store = dist.HashStore() if denv.launcher == "single" else None
-    dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size, store=store,
-                            timeout=timedelta(minutes=timeout_minutes))
+    dist.init_process_group(
+        backend=backend,
+        rank=denv.rank,
+        world_size=denv.world_size,
+        store=store,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
     from mgrpo.parallel.device import make_cpu_group, set_device
 
     if backend == "nccl":  # model tensors on this rank's GPU; CPU objects over a gloo side group

@@ -4,6 +4,7 @@ Used by the layout-matrix and resharding tests, and handy for checking a new clu
 Files: `{tag}.pp{stage}.pt` (HF-named gradients of that stage, written by its TP0/DP0 rank) and
 `{tag}.export.pt` (loss and the post-step weights as `export_hf` streams them to global rank 0).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,11 @@ from mgrpo.resharding.export import export_hf, full_hf_tensors
 
 
 def _owner() -> bool:
-    return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0)
+    return (
+        mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_data_parallel_rank() == 0
+        and mpu.get_context_parallel_rank() == 0
+    )
 
 
 def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
@@ -33,9 +37,19 @@ def _export_to_rank0(chunks, bucket_bytes=1 << 20) -> dict:
     return out
 
 
-def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corrupt=None, save_to=None,
-               weights_fn=None, step: bool = True, gloo_groups: bool | None = None,
-               entropy_per_rank: bool = False) -> None:
+def run_layout(
+    cfg,
+    model_dir: str,
+    samples: list,
+    out_dir: str,
+    tag: str,
+    corrupt=None,
+    save_to=None,
+    weights_fn=None,
+    step: bool = True,
+    gloo_groups: bool | None = None,
+    entropy_per_rank: bool = False,
+) -> None:
     """Forward+backward of `samples` (old logprobs = their rollout_logprobs), then one optimizer step.
 
     `weights_fn(samples)` replaces the configured aggregation weights (negative controls); `gloo_groups=False`
@@ -55,12 +69,25 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     idx, groups = this_rank_share(samples, cfg.train, dp_rank, dp_size)  # the trainer's DP split and micro-batches
     local = [samples[i] for i in idx]
     advs = [s.info["advantage"] for s in local]
-    weights = weights_fn(samples) if weights_fn else token_weights(samples, aggregation_of(cfg.algorithm),
-                                                                    cfg.rollout.max_tokens)
+    weights = (
+        weights_fn(samples)
+        if weights_fn
+        else token_weights(samples, aggregation_of(cfg.algorithm), cfg.rollout.max_tokens)
+    )
     pad = cfg.parallel.tp if cfg.parallel.sp else 1
-    mbs = make_microbatches(local, cfg.train.micro_batch_size, 0, advs, pad, same_length=cfg.parallel.pp > 1,
-                            token_weights=[weights[i] for i in idx], cp_rank=mpu.get_context_parallel_rank(),
-                            cp_size=cfg.parallel.cp, groups=groups, packing=cfg.train.sequence_packing)
+    mbs = make_microbatches(
+        local,
+        cfg.train.micro_batch_size,
+        0,
+        advs,
+        pad,
+        same_length=cfg.parallel.pp > 1,
+        token_weights=[weights[i] for i in idx],
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=cfg.parallel.cp,
+        groups=groups,
+        packing=cfg.train.sequence_packing,
+    )
     for mb in mbs:
         mb["old_logp"] = mb["rollout_logp"]
     if cfg.algorithm.top_entropy_quantile < 1:
@@ -71,8 +98,11 @@ def run_layout(cfg, model_dir: str, samples: list, out_dir: str, tag: str, corru
     dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())  # only the last stage has a loss
     if not cfg.train.use_distributed_optimizer:  # its grad buffers hold reduce-scattered shards only
         main_grad = lambda p: p.main_grad.clone()  # noqa: E731
-        grads = dict(peft_tensors(actor.models(), main_grad) if has_lora(actor.models()) else
-                     full_hf_tensors(actor.chunks, main_grad))  # LoRA: the base is frozen, the adapters train
+        grads = dict(
+            peft_tensors(actor.models(), main_grad)
+            if has_lora(actor.models())
+            else full_hf_tensors(actor.chunks, main_grad)
+        )  # LoRA: the base is frozen, the adapters train
         if _owner():
             torch.save({"grads": grads}, os.path.join(out_dir, f"{tag}.pp{mpu.get_pipeline_model_parallel_rank()}.pt"))
     if step:
@@ -121,8 +151,14 @@ def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bo
     chunks = build_model(model_dir, cfg.parallel)
     load_hf(chunks, model_dir)
     coords = rank_coords()
-    dst = {d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
-           for d in range(mpu.get_data_parallel_world_size())} if per_dp else 0
+    dst = (
+        {
+            d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
+            for d in range(mpu.get_data_parallel_world_size())
+        }
+        if per_dp
+        else 0
+    )
     got = {}
     for name, t in export_hf(chunks, dst=dst, bucket_bytes=64 << 10):
         got[name] = t.clone()
@@ -130,9 +166,13 @@ def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bo
         reader = SafetensorsReader(model_dir)
         mismatched = [n for n in reader.where if n not in got or not torch.equal(got[n], reader.read(n))]
         extra = sorted(set(got) - set(reader.where))
-        result = {"names": len(got), "mismatched": mismatched, "extra": extra,
-                  "embed_rows": list(got["model.embed_tokens.weight"].shape),
-                  "lm_head_rows": list(got["lm_head.weight"].shape) if "lm_head.weight" in got else None}
+        result = {
+            "names": len(got),
+            "mismatched": mismatched,
+            "extra": extra,
+            "embed_rows": list(got["model.embed_tokens.weight"].shape),
+            "lm_head_rows": list(got["lm_head.weight"].shape) if "lm_head.weight" in got else None,
+        }
         suffix = f".rank{dist.get_rank()}" if per_dp else ""
         with open(os.path.join(out_dir, f"{tag}{suffix}.roundtrip.json"), "w") as f:
             json.dump(result, f)
@@ -149,10 +189,14 @@ def run_init_export(cfg, model_dir: str, out_dir: str, tag: str, input_ids: torc
     setup_model_parallel(cfg.parallel, cfg.train.seed)
     chunks = build_model(model_dir, cfg.parallel, seed=4321)
     b, s = input_ids.shape
-    mb = {"input_ids": input_ids, "position_ids": torch.arange(s)[None].expand(b, -1),
-          "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]}
-    stats = forward_backward(chunks, [mb], lambda m, logits: (logits.sum() * 0, {"logits": logits.detach()}),
-                             forward_only=True)
+    mb = {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(s)[None].expand(b, -1),
+        "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None],
+    }
+    stats = forward_backward(
+        chunks, [mb], lambda m, logits: (logits.sum() * 0, {"logits": logits.detach()}), forward_only=True
+    )
     if stats:
         shard = stats[0]["logits"].contiguous()
         group = mpu.get_tensor_model_parallel_group()
@@ -211,9 +255,15 @@ def run_nan_step(cfg, model_dir: str, samples: list, out_dir: str, tag: str, gua
     weights = token_weights(samples, aggregation_of(cfg.algorithm), cfg.rollout.max_tokens)
 
     def batch(poison: bool):
-        mbs = make_microbatches([samples[i] for i in idx], cfg.train.micro_batch_size, 0,
-                                [samples[i].info["advantage"] for i in idx], 1, same_length=cfg.parallel.pp > 1,
-                                token_weights=[weights[i] for i in idx])
+        mbs = make_microbatches(
+            [samples[i] for i in idx],
+            cfg.train.micro_batch_size,
+            0,
+            [samples[i].info["advantage"] for i in idx],
+            1,
+            same_length=cfg.parallel.pp > 1,
+            token_weights=[weights[i] for i in idx],
+        )
         for mb in mbs:
             mb["old_logp"] = mb["rollout_logp"]
         if poison:
@@ -228,13 +278,21 @@ def run_nan_step(cfg, model_dir: str, samples: list, out_dir: str, tag: str, gua
     nxt = actor.train_step(batch(False))
     final = _state_snapshot(actor)
     params = [k for k in final if k.startswith("param:")]
-    result = {"rank": dist.get_rank(), "first_ok": first["update_ok"], "bad_ok": bad["update_ok"],
-              "bad_grad_norm": str(bad["grad_norm"]), "skipped": bad["skipped_steps"], "changed": changed[:10],
-              "n_changed": len(changed), "n_state": len(before),
-              "n_optimizer_tensors": sum(1 for k in before if k.startswith("optimizer")),
-              "next_ok": nxt["update_ok"], "next_finite": all(bool(torch.isfinite(final[k]).all()) for k in params),
-              "next_moved": any(not torch.equal(final[k], after[k]) for k in params),
-              "next_grad_norm": nxt["grad_norm"]}
+    result = {
+        "rank": dist.get_rank(),
+        "first_ok": first["update_ok"],
+        "bad_ok": bad["update_ok"],
+        "bad_grad_norm": str(bad["grad_norm"]),
+        "skipped": bad["skipped_steps"],
+        "changed": changed[:10],
+        "n_changed": len(changed),
+        "n_state": len(before),
+        "n_optimizer_tensors": sum(1 for k in before if k.startswith("optimizer")),
+        "next_ok": nxt["update_ok"],
+        "next_finite": all(bool(torch.isfinite(final[k]).all()) for k in params),
+        "next_moved": any(not torch.equal(final[k], after[k]) for k in params),
+        "next_grad_norm": nxt["grad_norm"],
+    }
     with open(os.path.join(out_dir, f"{tag}.rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

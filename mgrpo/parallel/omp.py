@@ -16,6 +16,7 @@ machine and saves 2-4x under load, so on a machine without NVIDIA GPUs it is the
 trainer's CPU threads matter little, and the default stays unless the node is oversubscribed. A value the user set
 (OMP_WAIT_POLICY=ACTIVE for a quiet benchmark) always wins.
 """
+
 from __future__ import annotations
 
 import glob

@@ -1,4 +1,5 @@
 """A thin wrapper over megatron's forward/backward schedules (no pipelining, 1F1B, interleaved VPP)."""
+
 from __future__ import annotations
 
 import functools
@@ -26,10 +27,14 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
     def step(data_iterator, model):
         mb = next(data_iterator)
         packed = mb.get("packed") or {}
-        valid, routing = (packed["valid"][None], packed.get("routing")) if packed else (mb.get("valid"),
-                                                                                       mb.get("routing"))
-        with tokens_of(valid), routes_of(None if routing is None else routing[None] if packed else routing), \
-                packed_attention(unwrap(model), packed):  # MoE: padding out of metrics; replay; packed rows
+        valid, routing = (
+            (packed["valid"][None], packed.get("routing")) if packed else (mb.get("valid"), mb.get("routing"))
+        )
+        with (
+            tokens_of(valid),
+            routes_of(None if routing is None else routing[None] if packed else routing),
+            packed_attention(unwrap(model), packed),
+        ):  # MoE: padding out of metrics; replay; packed rows
             out = model(*model_inputs(mb))
         return out, functools.partial(loss_fn, mb)
 
@@ -37,8 +42,12 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
     data = [iter(microbatches) for _ in model_chunks] if vpp else iter(microbatches)
     shapes = [model_inputs(mb)[0].shape for mb in microbatches]
     return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=data, model=model_chunks if vpp else model_chunks[0],
+        forward_step_func=step,
+        data_iterator=data,
+        model=model_chunks if vpp else model_chunks[0],
         num_microbatches=len(microbatches),
         # megatron divides seq_length by cp to size p2p buffers: give it the full (pre-split) length
         seq_length=max(s[1] * mb.get("cp_size", 1) for s, mb in zip(shapes, microbatches)),
-        micro_batch_size=max(s[0] for s in shapes), forward_only=forward_only)
+        micro_batch_size=max(s[0] for s in shapes),
+        forward_only=forward_only,
+    )

@@ -7,6 +7,7 @@ nodes train and which serve rollouts, the master address, node and process count
 `expand_nodelist` expands Slurm's compressed form (`gpu[01-02,7],a1`) the way `scontrol show hostnames` does,
 for machines without scontrol and for the tests.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def _expand_one(item: str) -> list:
     m = re.search(r"\[([^\]]*)\]", item)
     if not m:
         return [item]
-    head, tail, out = item[: m.start()], item[m.end():], []
+    head, tail, out = item[: m.start()], item[m.end() :], []
     for rng in m.group(1).split(","):
         lo, _, hi = rng.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
@@ -60,21 +61,30 @@ def expand_nodelist(nodelist: str) -> list:
     return hosts
 
 
-def plan_nodes(hosts: list, rollout_nodes: int = 0, gpus_per_node: int = 8, master_port: int = 29500,
-               rollout_port: int = 8000) -> dict:
+def plan_nodes(
+    hosts: list, rollout_nodes: int = 0, gpus_per_node: int = 8, master_port: int = 29500, rollout_port: int = 8000
+) -> dict:
     """The first nodes train (the first of them is the rendezvous master); the last `rollout_nodes` run one
     rollout server each."""
     if rollout_nodes < 0 or rollout_nodes >= len(hosts):
-        raise SlurmPlanError(f"ROLLOUT_NODES={rollout_nodes} leaves no training node among the job's {len(hosts)} "
-                             f"node(s) ({', '.join(hosts)}); ask for more nodes (#SBATCH --nodes) or fewer "
-                             f"rollout nodes")
+        raise SlurmPlanError(
+            f"ROLLOUT_NODES={rollout_nodes} leaves no training node among the job's {len(hosts)} "
+            f"node(s) ({', '.join(hosts)}); ask for more nodes (#SBATCH --nodes) or fewer "
+            f"rollout nodes"
+        )
     if gpus_per_node < 1:
         raise SlurmPlanError(f"GPUS_PER_NODE={gpus_per_node}: give the processes to start per training node")
-    train, rollout = hosts[: len(hosts) - rollout_nodes], hosts[len(hosts) - rollout_nodes:]
-    return dict(TRAIN_HOSTS=",".join(train), ROLLOUT_HOSTS=",".join(rollout), MASTER_ADDR=train[0],
-                MASTER_PORT=master_port, NNODES=len(train), NPROC_PER_NODE=gpus_per_node,
-                WORLD_SIZE=len(train) * gpus_per_node,
-                SERVER_URLS=",".join(f"https://{h}:{rollout_port}" for h in rollout))  # off-host: TLS
+    train, rollout = hosts[: len(hosts) - rollout_nodes], hosts[len(hosts) - rollout_nodes :]
+    return dict(
+        TRAIN_HOSTS=",".join(train),
+        ROLLOUT_HOSTS=",".join(rollout),
+        MASTER_ADDR=train[0],
+        MASTER_PORT=master_port,
+        NNODES=len(train),
+        NPROC_PER_NODE=gpus_per_node,
+        WORLD_SIZE=len(train) * gpus_per_node,
+        SERVER_URLS=",".join(f"https://{h}:{rollout_port}" for h in rollout),
+    )  # off-host: TLS
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
 """Megatron `parallel_state` set-up from our ParallelConfig."""
+
 from __future__ import annotations
 
 import torch

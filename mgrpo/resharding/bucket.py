@@ -24,6 +24,7 @@ the HTTP transport sends the digest as a trailer after the body instead (`transp
 `ManifestCheck` is the receiver's completeness check: every expected tensor arrives exactly once, with the
 expected shape and dtype.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,14 @@ from typing import Iterable, Iterator
 import torch
 
 ALIGN = 64  # bytes; a multiple of every itemsize (and of a cache line), so views never land misaligned
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
 _FIELDS = ("names", "dtypes", "shapes", "offsets", "nbytes")
 
 
@@ -108,7 +115,7 @@ class Bucket:
         """(name, tensor) views into the flat buffer."""
         m = self.manifest
         for name, dtype, shape, off, n in zip(*(m[k] for k in _FIELDS)):
-            yield name, self.flat[off: off + n].view(DTYPES[dtype]).view(shape)
+            yield name, self.flat[off : off + n].view(DTYPES[dtype]).view(shape)
 
     @property
     def label(self) -> str:
@@ -129,16 +136,18 @@ class Bucket:
 
         try:
             header_len = int.from_bytes(data[:8], "little")
-            manifest = json.loads(json.loads(data[8: 8 + header_len])["__metadata__"]["mgrpo_manifest"])
+            manifest = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["mgrpo_manifest"])
             flat = load(data)["flat"]
             assert isinstance(manifest, dict), "manifest is not a JSON object"
         except Exception as exc:
-            raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are "
-                              f"truncated or not a bucket") from None
+            raise BucketError(
+                f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or not a bucket"
+            ) from None
         bucket = cls(flat, manifest)
         if require_checksum and not manifest.get("sha256"):
-            raise BucketError(f"{bucket.label}: carries no sha256 but this transport requires one; pack it "
-                              f"with checksum=True")
+            raise BucketError(
+                f"{bucket.label}: carries no sha256 but this transport requires one; pack it with checksum=True"
+            )
         if verify:
             bucket.verify()
         return bucket
@@ -151,14 +160,17 @@ class Bucket:
             return None
         got = digest(self.flat, self.manifest)
         if got != want:
-            raise BucketError(f"{self.label}: sha256 mismatch (expected {want[:12]}..., got {got[:12]}...); the "
-                              f"bucket or its manifest was corrupted in transit, resend it")
+            raise BucketError(
+                f"{self.label}: sha256 mismatch (expected {want[:12]}..., got {got[:12]}...); the "
+                f"bucket or its manifest was corrupted in transit, resend it"
+            )
         self.verified = got
         return got
 
 
-def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum: bool = True,
-                out: torch.Tensor | None = None) -> Bucket:
+def pack_bucket(
+    items: list, version: int, index: int, count: int = 0, checksum: bool = True, out: torch.Tensor | None = None
+) -> Bucket:
     """One bucket from (name, tensor) pairs (copied into a fresh flat buffer at ALIGN-byte offsets, or into the
     front of `out` when it is large enough: a reused buffer costs no page faults); `checksum=False` skips the sha256
     for transfers that never leave the job's own process group."""
@@ -174,17 +186,27 @@ def pack_bucket(items: list, version: int, index: int, count: int = 0, checksum:
         total = offsets[-1] + n
     flat = out[:total] if out is not None and out.numel() >= total else torch.empty(total, dtype=torch.uint8)
     for (_, t), off, n, end in zip(items, offsets, nbytes, offsets[1:] + [total]):
-        flat[off: off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        flat[off + n: end].zero_()  # padding is zeroed, so equal tensors give equal digests
-    manifest = dict(version=version, index=index, count=count, names=names, dtypes=dtypes, shapes=shapes,
-                    offsets=offsets, nbytes=nbytes, sha256="")
+        flat[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[off + n : end].zero_()  # padding is zeroed, so equal tensors give equal digests
+    manifest = dict(
+        version=version,
+        index=index,
+        count=count,
+        names=names,
+        dtypes=dtypes,
+        shapes=shapes,
+        offsets=offsets,
+        nbytes=nbytes,
+        sha256="",
+    )
     if checksum:
         manifest["sha256"] = digest(flat, manifest)
     return Bucket(flat, manifest)
 
 
-def make_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int,
-                 checksum: bool = True) -> Iterator[Bucket]:
+def make_buckets(
+    named_tensors: Iterable[tuple], bucket_bytes: int, version: int, checksum: bool = True
+) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most `bucket_bytes` flat bytes, alignment padding
     included (a larger tensor goes alone).
 
@@ -211,11 +233,23 @@ def bucket_header(items: list, version: int, index: int) -> tuple:
         offsets.append(align_up(total))
         nbytes.append(t.numel() * t.element_size())
         total = offsets[-1] + nbytes[-1]
-    manifest = dict(version=version, index=index, count=0, names=[n for n, _ in items],
-                    dtypes=[dtype_name(t.dtype) for _, t in items], shapes=[list(t.shape) for _, t in items],
-                    offsets=offsets, nbytes=nbytes, sha256="")
-    header = json.dumps({"__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
-                         "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}}).encode()
+    manifest = dict(
+        version=version,
+        index=index,
+        count=0,
+        names=[n for n, _ in items],
+        dtypes=[dtype_name(t.dtype) for _, t in items],
+        shapes=[list(t.shape) for _, t in items],
+        offsets=offsets,
+        nbytes=nbytes,
+        sha256="",
+    )
+    header = json.dumps(
+        {
+            "__metadata__": {"mgrpo_manifest": json.dumps(manifest)},
+            "flat": {"dtype": "U8", "shape": [total], "data_offsets": [0, total]},
+        }
+    ).encode()
     header += b" " * (-len(header) % 8)
     return len(header).to_bytes(8, "little") + header, total, manifest
 
@@ -225,13 +259,14 @@ def parse_bucket_header(buf) -> tuple:
     never unpickled; raises BucketError when they are not a bucket's."""
     try:
         n = int.from_bytes(buf[:8], "little")
-        header = json.loads(bytes(buf[8: 8 + n]))
+        header = json.loads(bytes(buf[8 : 8 + n]))
         manifest = json.loads(header["__metadata__"]["mgrpo_manifest"])
         start, end = header["flat"]["data_offsets"]
         assert header["flat"]["dtype"] == "U8" and 0 <= start <= end, "not one flat uint8 tensor"
     except Exception as exc:
-        raise BucketError(f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or "
-                          f"not a bucket") from None
+        raise BucketError(
+            f"cannot decode weight bucket ({type(exc).__name__}: {exc}); the bytes are truncated or not a bucket"
+        ) from None
     return n, manifest, start, end
 
 
@@ -240,10 +275,14 @@ def read_bucket(buf) -> Bucket:
     digest is not checked here (a receiver that hashed the bytes as they arrived sets `verified`)."""
     n, manifest, start, end = parse_bucket_header(buf)
     if 8 + n + end != len(buf):
-        raise BucketError(f"cannot decode weight bucket: {len(buf)} bytes, its header says {8 + n + end}; the "
-                          f"bytes are truncated")
-    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n + start, count=end - start) if end > start \
+        raise BucketError(
+            f"cannot decode weight bucket: {len(buf)} bytes, its header says {8 + n + end}; the bytes are truncated"
+        )
+    flat = (
+        torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n + start, count=end - start)
+        if end > start
         else torch.empty(0, dtype=torch.uint8)
+    )
     return Bucket(flat, manifest)
 
 
@@ -251,6 +290,7 @@ def read_bucket(buf) -> Bucket:
 class ViewBucket:
     """In-process bucket: the exported tensors themselves, no flat copy (the engine copies each tensor once,
     into its own parameter). Same manifest as `Bucket` without offsets; nothing to checksum in memory."""
+
     items: list  # (name, tensor)
     manifest: dict
     verified: str | None = field(default=None, repr=False, compare=False)
@@ -268,9 +308,17 @@ def view_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int
     pending, size, index = [], 0, 0
 
     def emit():
-        m = dict(version=version, index=index, count=0, names=[n for n, _ in pending],
-                 dtypes=[dtype_name(t.dtype) for _, t in pending], shapes=[list(t.shape) for _, t in pending],
-                 offsets=None, nbytes=[t.numel() * t.element_size() for _, t in pending], sha256="")
+        m = dict(
+            version=version,
+            index=index,
+            count=0,
+            names=[n for n, _ in pending],
+            dtypes=[dtype_name(t.dtype) for _, t in pending],
+            shapes=[list(t.shape) for _, t in pending],
+            offsets=None,
+            nbytes=[t.numel() * t.element_size() for _, t in pending],
+            sha256="",
+        )
         return ViewBucket(list(pending), m)
 
     for name, t in named_tensors:
@@ -351,22 +399,30 @@ class ManifestCheck:
                 raise BucketError(f"{who}: {exc}") from None
         problem = _layout_problem(bucket)
         if problem:
-            raise BucketError(f"{who}: {label} has an inconsistent manifest: {problem}; the sender packed it "
-                              f"wrongly or it was altered, resend it")
+            raise BucketError(
+                f"{who}: {label} has an inconsistent manifest: {problem}; the sender packed it "
+                f"wrongly or it was altered, resend it"
+            )
         here = {}
         for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"]):
             if name in self.seen or name in here:
-                raise BucketError(f"{who}: tensor {name!r} arrived twice ({label}, first in "
-                                  f"{self.seen.get(name, label)}); send each tensor once per weight version")
+                raise BucketError(
+                    f"{who}: tensor {name!r} arrived twice ({label}, first in "
+                    f"{self.seen.get(name, label)}); send each tensor once per weight version"
+                )
             if name not in self.expected and name not in self.optional:
-                raise BucketError(f"{who}: unknown tensor {name!r} ({label}); the sender's names do not match "
-                                  f"this model, fix the name mapping")
+                raise BucketError(
+                    f"{who}: unknown tensor {name!r} ({label}); the sender's names do not match "
+                    f"this model, fix the name mapping"
+                )
             if name in self.expected:
                 want_shape, want_dtype = self.expected[name]
                 if tuple(shape) != want_shape or dtype != want_dtype:
-                    raise BucketError(f"{who}: tensor {name!r} ({label}) arrived as {tuple(shape)} {dtype}, "
-                                      f"expected {want_shape} {want_dtype}; sender and receiver are configured "
-                                      f"for different models")
+                    raise BucketError(
+                        f"{who}: tensor {name!r} ({label}) arrived as {tuple(shape)} {dtype}, "
+                        f"expected {want_shape} {want_dtype}; sender and receiver are configured "
+                        f"for different models"
+                    )
             here[name] = label
         self.seen.update(here)
         self.nbytes += sum(m["nbytes"])
@@ -379,8 +435,9 @@ class ManifestCheck:
         {"tensors", "bytes", "buckets", "digests" (of each bucket that carried one)}."""
         missing = [n for n in self.expected if n not in self.seen and n not in self.optional]
         if missing:
-            raise BucketError(f"{self.receiver}: {len(missing)} expected tensor(s) never arrived, e.g. "
-                              f"{', '.join(map(repr, missing[:5]))}; the sender skipped them, so the update "
-                              f"is incomplete and must be resent")
-        return {"tensors": len(self.seen), "bytes": self.nbytes, "buckets": self.buckets,
-                "digests": list(self.digests)}
+            raise BucketError(
+                f"{self.receiver}: {len(missing)} expected tensor(s) never arrived, e.g. "
+                f"{', '.join(map(repr, missing[:5]))}; the sender skipped them, so the update "
+                f"is incomplete and must be resent"
+            )
+        return {"tensors": len(self.seen), "bytes": self.nbytes, "buckets": self.buckets, "digests": list(self.digests)}

@@ -15,6 +15,7 @@ all point to point on the CPU group, in order per pair of ranks (gloo matches a 
 Bucket k+1 is received while bucket k is handed out (members keep at most two buckets in flight), and the destination reads every stage's header first, so the next stage's transfer starts at once.
 Used for dense weights (no expert parallelism, no expert parameters); `export.py` falls back to gathers otherwise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,10 @@ def supported(params: list) -> bool:
 
 
 def _header(plan: list) -> list:
-    return [[{"spec": spec_of(m), "shape": list(p.shape), "dtype": dtype_name(p.dtype)} for p, m in bucket]
-            for bucket in plan]
+    return [
+        [{"spec": spec_of(m), "shape": list(p.shape), "dtype": dtype_name(p.dtype)} for p, m in bucket]
+        for bucket in plan
+    ]
 
 
 def pieces(kind: str, t: int, tp: int, n: int) -> list:
@@ -85,15 +88,20 @@ def _assemble(spec: dict, region: torch.Tensor, shape: list, tp: int) -> dict:
     if spec["kind"] == "GatedMLP":
         half = [tp * shape[0] // 2, *shape[1:]]
         gate, up = spec["hf_names"]
-        return {gate: region[: tp * n // 2].view(half), up: region[tp * n // 2:].view(half)}
-    return mapping_of(spec).unshard([region[t * n: (t + 1) * n].view(shape) for t in range(tp)])
+        return {gate: region[: tp * n // 2].view(half), up: region[tp * n // 2 :].view(half)}
+    return mapping_of(spec).unshard([region[t * n : (t + 1) * n].view(shape) for t in range(tp)])
 
 
 def _shards(group: list, tp: int, t: int, select) -> list:
     """TP rank t's pieces of one bucket as flat views, in the order the destination posts its receives."""
     chosen = [(dtype_name(p.dtype), m, select(p).reshape(-1)) for p, m in group]
-    return [flat[a: a + n] for d in sorted({c[0] for c in chosen}) for dd, m, flat in chosen if dd == d
-            for a, n, _ in pieces(type(m).__name__, t, tp, flat.numel())]
+    return [
+        flat[a : a + n]
+        for d in sorted({c[0] for c in chosen})
+        for dd, m, flat in chosen
+        if dd == d
+        for a, n, _ in pieces(type(m).__name__, t, tp, flat.numel())
+    ]
 
 
 def _send_json(obj, dst: int) -> None:
@@ -143,11 +151,11 @@ class _Incoming:
             for t, member in enumerate(members):
                 for i, off, n in entries:
                     for a, length, at in pieces(bucket[i]["spec"]["kind"], t, self.tp, n):
-                        where = buf[off + at: off + at + length]
+                        where = buf[off + at : off + at + length]
                         if member != me:
                             self.works.append(dist.irecv(where, member, group=cpu_group()))
                         else:
-                            where.copy_(own[i].reshape(-1)[a: a + length])
+                            where.copy_(own[i].reshape(-1)[a : a + length])
 
     def tensors(self):
         """The bucket's HF tensors (views of its buffers, or copies)."""
@@ -157,7 +165,7 @@ class _Incoming:
             ends = [off for _, off, _ in entries[1:]] + [total]
             for (i, off, _), end in zip(entries, ends):
                 e = self.bucket[i]
-                yield from _assemble(e["spec"], self.bufs[d][off: end], e["shape"], self.tp).items()
+                yield from _assemble(e["spec"], self.bufs[d][off:end], e["shape"], self.tp).items()
         del self.bufs
 
 
@@ -182,4 +190,3 @@ def receive(stages: list, plans: dict, select=effective_weight, ahead: int = AHE
                 own = None if group is None else [select(p) for p, _ in group]  # a LoRA merge lives for one bucket
                 posted.append(_Incoming(bucket, members, own).tensors())  # receives posted now
         yield from posted.popleft()
-

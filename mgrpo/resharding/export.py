@@ -9,6 +9,7 @@ On CPU (gloo TP groups) `export_hf` sends dense weights another way (`direct_exp
 straight to the destination, which unshards them; so do the stage senders' streams (`stage_tensors`, to the stage's
 TP0). The gathers above serve NCCL (GPU) TP groups, experts, gradients and LoRA adapters.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,15 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 def rank_coords() -> torch.Tensor:
     """[world, 5] of (pp, tp, dp, cp, expert-dp) ranks."""
-    mine = torch.tensor([mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-                         mpu.get_data_parallel_rank(), mpu.get_context_parallel_rank(),
-                         mpu.get_expert_data_parallel_rank()])
+    mine = torch.tensor(
+        [
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_data_parallel_rank(),
+            mpu.get_context_parallel_rank(),
+            mpu.get_expert_data_parallel_rank(),
+        ]
+    )
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine, group=cpu_group())
     return torch.stack(out)
@@ -77,8 +84,7 @@ def _gather_group(group: list, pg, size: int, etp: int = 1, select=effective_wei
     parts_of = {}
     for dtype in {local.dtype for local, _ in group}:
         members = [(i, local) for i, (local, _) in enumerate(group) if local.dtype == dtype]
-        flat = torch.cat([local.reshape(-1) for _, local in members]) if len(members) > 1 else \
-            members[0][1].reshape(-1)
+        flat = torch.cat([local.reshape(-1) for _, local in members]) if len(members) > 1 else members[0][1].reshape(-1)
         gathered = torch.empty(size, flat.numel(), dtype=dtype, device=flat.device)
         if dist.get_backend(pg) == "nccl":
             dist.all_gather_into_tensor(gathered.view(-1), flat.contiguous(), group=pg)
@@ -87,15 +93,21 @@ def _gather_group(group: list, pg, size: int, etp: int = 1, select=effective_wei
         del flat
         off = 0
         for i, local in members:
-            parts_of[i] = [gathered[r, off: off + local.numel()].view(local.shape) for r in range(size)]
+            parts_of[i] = [gathered[r, off : off + local.numel()].view(local.shape) for r in range(size)]
             off += local.numel()
         del gathered  # the parts keep it alive until the last of them is unsharded
     for i, (_, m) in enumerate(group):
         yield from _full(m, parts_of.pop(i), etp).items()
 
 
-def full_hf_tensors(model_chunks, select=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True,
-                    dense: bool = True, experts: bool = True):
+def full_hf_tensors(
+    model_chunks,
+    select=None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    coalesce: bool = True,
+    dense: bool = True,
+    experts: bool = True,
+):
     """(hf_name, full tensor) for this PP stage: dense parameters gathered over TP, experts over expert-TP x EP
     (every expert of the layer, named by its global index); every rank of those groups must iterate.
 
@@ -152,8 +164,10 @@ def _buckets_of(stream, bucket_bytes: int):
 def stage_senders() -> list:
     """Global ranks of each PP stage's (DP0, TP0, CP0) rank, by stage: the senders of `stage_buckets`."""
     coords = rank_coords()
-    return [next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, 0, 0])
-            for stage in range(mpu.get_pipeline_model_parallel_world_size())]
+    return [
+        next(r for r in range(len(coords)) if coords[r, :4].tolist() == [stage, 0, 0, 0])
+        for stage in range(mpu.get_pipeline_model_parallel_world_size())
+    ]
 
 
 def _exporter_roles() -> tuple:
@@ -204,8 +218,14 @@ def stage_buckets(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     yield from _buckets_of(_stage_stream(model_chunks, bucket_bytes), bucket_bytes)
 
 
-def export_hf(model_chunks: list, dst=0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, coalesce: bool = True,
-              tensors=full_hf_tensors, direct: bool = True):
+def export_hf(
+    model_chunks: list,
+    dst=0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    coalesce: bool = True,
+    tensors=full_hf_tensors,
+    direct: bool = True,
+):
     """Yield (hf_name, full tensor) on global rank `dst`; every rank must drive the iterator.
 
     `dst` may map data-parallel ranks to destinations ({dp_rank: global rank}): each listed DP replica then
@@ -246,8 +266,11 @@ def _export_replica(model_chunks, coords, d: int, target: int, bucket_bytes: int
         dense = int(coords[me, 2]) == d and int(coords[me, 3]) == 0
         experts = int(coords[me, 4]) == int(coords[src, 4]) if ep > 1 else dense
         # a target inside the stage's gathers gets the full tensors from them (a send to it would deadlock them)
-        target_gathers = int(coords[target, 0]) == stage and int(coords[target, 3]) == 0 and (
-            ep == 1 or int(coords[target, 4]) == int(coords[src, 4]))
+        target_gathers = (
+            int(coords[target, 0]) == stage
+            and int(coords[target, 3]) == 0
+            and (ep == 1 or int(coords[target, 4]) == int(coords[src, 4]))
+        )
         if coords[me, 0] == stage and (dense or experts):
             stream = tensors(model_chunks, bucket_bytes=bucket_bytes, coalesce=coalesce, dense=dense, experts=experts)
             if me == target and target_gathers:
@@ -271,8 +294,11 @@ def _direct_fits(params: list) -> bool:
     """Direct sends serve dense weights over a CPU (gloo) TP group; with NCCL the TP all-gather runs on the GPUs'
     links while direct sends would stage every shard through host memory and gloo (no NCCL point to point yet)."""
     tp_group = mpu.get_tensor_model_parallel_group()
-    return (mpu.get_expert_model_parallel_world_size() == 1 and direct_export.supported(params)
-            and dist.get_backend(tp_group) != "nccl")
+    return (
+        mpu.get_expert_model_parallel_world_size() == 1
+        and direct_export.supported(params)
+        and dist.get_backend(tp_group) != "nccl"
+    )
 
 
 def _direct_everywhere(params: list) -> bool:
@@ -286,8 +312,10 @@ def _direct_replica(params: list, coords, d: int, target: int, bucket_bytes: int
     """Data-parallel replica d's weights to `target` by direct sends: the members of each stage (its TP ranks at
     DP rank d, CP0) send their shards; the target receives and unshards every stage in turn."""
     me, tp = dist.get_rank(), mpu.get_tensor_model_parallel_world_size()
-    stages = [[next(r for r in range(len(coords)) if coords[r, :4].tolist() == [s, t, d, 0]) for t in range(tp)]
-              for s in range(mpu.get_pipeline_model_parallel_world_size())]
+    stages = [
+        [next(r for r in range(len(coords)) if coords[r, :4].tolist() == [s, t, d, 0]) for t in range(tp)]
+        for s in range(mpu.get_pipeline_model_parallel_world_size())
+    ]
     stage = int(coords[me, 0])
     plan = _plan(params, bucket_bytes, tp, 1) if me in stages[stage] else None
     if me == target:

@@ -4,6 +4,7 @@ config.json, generation_config.json and tokenizer files copied from the source f
 Writes into a temporary sibling folder and renames it into place (the old folder aside first, deleted last), so a
 crash never leaves a half folder, nor no folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,17 @@ import torch
 
 from mgrpo.fsutil import replace_dir
 
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,12 +37,21 @@ class OutputExistsError(ValueError):
 def check_output_dir(out_dir: str, overwrite: bool) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         if not overwrite:
-            raise OutputExistsError(f"{out_dir}: output folder exists and is not empty; pass --overwrite to "
-                                    f"replace it or choose another folder")
+            raise OutputExistsError(
+                f"{out_dir}: output folder exists and is not empty; pass --overwrite to "
+                f"replace it or choose another folder"
+            )
 
 
-def write_hf_folder(named_tensors, out_dir: str, src_hf_dir: str, max_shard_bytes: int = 5 << 30,
-                    dtype: str | None = None, overwrite: bool = False, progress=None) -> dict:
+def write_hf_folder(
+    named_tensors,
+    out_dir: str,
+    src_hf_dir: str,
+    max_shard_bytes: int = 5 << 30,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    progress=None,
+) -> dict:
     """Stream tensors into shards; returns the index dict. `dtype` casts floating tensors (and config.json)."""
     from safetensors.torch import save_file
 
@@ -102,8 +121,9 @@ def write_peft_folder(named_tensors, out_dir: str, adapter_config: dict, overwri
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".peft-", dir=parent)
     try:
-        save_file({n: t.detach().contiguous().cpu() for n, t in named_tensors}, os.path.join(tmp,
-                                                                                            "adapter_model.safetensors"))
+        save_file(
+            {n: t.detach().contiguous().cpu() for n, t in named_tensors}, os.path.join(tmp, "adapter_model.safetensors")
+        )
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(adapter_config, f, indent=2)
         replace_dir(tmp, out_dir)

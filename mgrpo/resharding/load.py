@@ -1,4 +1,5 @@
 """HF safetensors -> this rank's megatron shards, reading only the slices each rank owns."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -32,8 +33,10 @@ class SafetensorsReader(TensorReader):
         elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
             self.where = None
         else:
-            raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json; "
-                                  f"model.path must be an HF folder saved with safetensors")
+            raise CheckpointError(
+                f"{hf_dir}: no model.safetensors or model.safetensors.index.json; "
+                f"model.path must be an HF folder saved with safetensors"
+            )
         self._open = {}
         self._safe_open = safe_open
         if self.where is None:
@@ -43,8 +46,9 @@ class SafetensorsReader(TensorReader):
         if fname not in self._open:
             path = os.path.join(self.hf_dir, fname)
             if not os.path.isfile(path):
-                raise CheckpointError(f"{path}: checkpoint shard is missing (listed in the index); "
-                                      f"re-download or re-convert the model")
+                raise CheckpointError(
+                    f"{path}: checkpoint shard is missing (listed in the index); re-download or re-convert the model"
+                )
             try:
                 self._open[fname] = self._safe_open(path, framework="pt")
             except Exception as exc:  # truncated or corrupt header
@@ -56,8 +60,10 @@ class SafetensorsReader(TensorReader):
 
     def _slice(self, name):
         if name not in self.where:
-            raise CheckpointError(f"{self.hf_dir}: tensor {name!r} not found in the checkpoint; the checkpoint "
-                                  f"does not match config.json (wrong architecture or missing shard)")
+            raise CheckpointError(
+                f"{self.hf_dir}: tensor {name!r} not found in the checkpoint; the checkpoint "
+                f"does not match config.json (wrong architecture or missing shard)"
+            )
         return self._file(self.where[name]).get_slice(name)
 
     def shape(self, name):
@@ -73,8 +79,9 @@ class SafetensorsReader(TensorReader):
             else:
                 t = sl[:]
         except Exception as exc:
-            raise CheckpointError(f"{self.hf_dir}/{self.where[name]}: reading {name!r} failed ({exc}); "
-                                  f"the shard is truncated or damaged") from None
+            raise CheckpointError(
+                f"{self.hf_dir}/{self.where[name]}: reading {name!r} failed ({exc}); the shard is truncated or damaged"
+            ) from None
         return t.contiguous()
 
 
@@ -89,14 +96,17 @@ def check_all_consumed(model_chunks: list, reader: SafetensorsReader) -> None:
     used = consumed_hf_names(model_chunks)
     if info.tie_word_embeddings:
         used.add("lm_head.weight")
-    unused = sorted(n for n in reader.where
-                    if n not in used and not any(fnmatch.fnmatchcase(n, pat) for pat in _HF_IGNORED))
+    unused = sorted(
+        n for n in reader.where if n not in used and not any(fnmatch.fnmatchcase(n, pat) for pat in _HF_IGNORED)
+    )
     if unused:
         shown = ", ".join(repr(n) for n in unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
-        raise CheckpointError(f"{reader.hf_dir}: {len(unused)} checkpoint tensor(s) read by no parameter of the "
-                              f"{info.family} model that config.json describes: {shown}; rather than drop them "
-                              f"silently, fix config.json (e.g. attention_bias, mlp_bias, num_hidden_layers) or "
-                              f"remove them from the checkpoint")
+        raise CheckpointError(
+            f"{reader.hf_dir}: {len(unused)} checkpoint tensor(s) read by no parameter of the "
+            f"{info.family} model that config.json describes: {shown}; rather than drop them "
+            f"silently, fix config.json (e.g. attention_bias, mlp_bias, num_hidden_layers) or "
+            f"remove them from the checkpoint"
+        )
 
 
 def load_hf(model_chunks: list, hf_dir: str) -> None:
@@ -112,8 +122,10 @@ def load_hf(model_chunks: list, hf_dir: str) -> None:
     for chunk in model_chunks:
         for name, param, mapping in chunk_mappings(chunk):  # an expert reads only its own expert's slices
             if mapping.hf_names == ("lm_head.weight",) and not reader.has("lm_head.weight"):
-                raise CheckpointError(f"{hf_dir}: 'lm_head.weight' missing but tie_word_embeddings is false; "
-                                      f"set tie_word_embeddings=true in config.json or add the tensor")
+                raise CheckpointError(
+                    f"{hf_dir}: 'lm_head.weight' missing but tie_word_embeddings is false; "
+                    f"set tie_word_embeddings=true in config.json or add the tensor"
+                )
             try:
                 shard = mapping.shard(reader, *(etp if mapping.expert else (rank, size)))
             except CheckpointError:
@@ -121,7 +133,9 @@ def load_hf(model_chunks: list, hf_dir: str) -> None:
             except ValueError as exc:
                 raise CheckpointError(f"{hf_dir}: {exc}") from None
             if tuple(shard.shape) != tuple(param.shape):
-                raise CheckpointError(f"{hf_dir}: {mapping.hf_names} gives shape {tuple(shard.shape)} for megatron "
-                                      f"{name} of shape {tuple(param.shape)}; config.json does not match the weights")
+                raise CheckpointError(
+                    f"{hf_dir}: {mapping.hf_names} gives shape {tuple(shard.shape)} for megatron "
+                    f"{name} of shape {tuple(param.shape)}; config.json does not match the weights"
+                )
             with torch.no_grad():
                 param.copy_(shard.to(param.dtype))

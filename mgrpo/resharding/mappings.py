@@ -3,6 +3,7 @@
 Each mapping knows its HF names, how to read this TP rank's shard (reading only the needed rows or
 columns through a `TensorReader`), and its inverse: gather a full tensor set from the TP shards.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,9 +50,15 @@ def _cat0(parts: list) -> torch.Tensor:
     the coalesced all-gather leaves them). One part is copied, so an export never aliases a live parameter."""
     base = parts[0]
     step = base.numel() * base.element_size()
-    if len(parts) > 1 and all(p.is_contiguous() and p.shape == base.shape for p in parts) and all(
+    if (
+        len(parts) > 1
+        and all(p.is_contiguous() and p.shape == base.shape for p in parts)
+        and all(
             p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-            and p.data_ptr() == base.data_ptr() + i * step for i, p in enumerate(parts)):
+            and p.data_ptr() == base.data_ptr() + i * step
+            for i, p in enumerate(parts)
+        )
+    ):
         return base.as_strided((base.shape[0] * len(parts), *base.shape[1:]), base.stride())
     return torch.cat(parts, 0)
 
@@ -117,6 +124,7 @@ class Row(Mapping):
 @dataclass
 class Vocab(Mapping):
     """Embedding / output layer: rows padded from vocab_size to padded_size, then split along dim 0."""
+
     vocab_size: int = 0
     padded_size: int = 0
 
@@ -125,8 +133,10 @@ class Vocab(Mapping):
         rows = _rows(self.padded_size, rank, size)
         hidden = reader.shape(name)[1]
         if reader.shape(name)[0] != self.vocab_size:
-            raise ValueError(f"{name}: has {reader.shape(name)[0]} rows but config.json says vocab_size="
-                             f"{self.vocab_size}; the config does not match the weights")
+            raise ValueError(
+                f"{name}: has {reader.shape(name)[0]} rows but config.json says vocab_size="
+                f"{self.vocab_size}; the config does not match the weights"
+            )
         real = slice(rows.start, min(rows.stop, self.vocab_size))
         part = reader.read(name, rows=real) if real.stop > real.start else None
         out_dtype = part.dtype if part is not None else torch.float32
@@ -142,6 +152,7 @@ class Vocab(Mapping):
 @dataclass
 class QKV(Mapping):
     """HF q, k, v -> megatron's grouped layout [q of group g (heads/groups rows), k_g, v_g] for each group g."""
+
     num_heads: int = 0
     num_groups: int = 0
     head_dim: int = 0
@@ -155,16 +166,21 @@ class QKV(Mapping):
         expect = {q: self.num_heads * self.head_dim, k: g * self.head_dim, v: g * self.head_dim}
         for name, rows in expect.items():
             if reader.shape(name)[0] != rows:
-                raise ValueError(f"{name}: has {reader.shape(name)[0]} rows, expected {rows} from config.json "
-                                 f"(heads={self.num_heads}, kv_heads={g}, head_dim={self.head_dim})")
+                raise ValueError(
+                    f"{name}: has {reader.shape(name)[0]} rows, expected {rows} from config.json "
+                    f"(heads={self.num_heads}, kv_heads={g}, head_dim={self.head_dim})"
+                )
         gl = g // size
         g0 = rank * gl
         qs = reader.read(q, rows=slice(g0 * hpg * self.head_dim, (g0 + gl) * hpg * self.head_dim))
         ks = reader.read(k, rows=slice(g0 * self.head_dim, (g0 + gl) * self.head_dim))
         vs = reader.read(v, rows=slice(g0 * self.head_dim, (g0 + gl) * self.head_dim))
         tail = qs.shape[1:]
-        parts = [qs.reshape(gl, hpg * self.head_dim, *tail), ks.reshape(gl, self.head_dim, *tail),
-                 vs.reshape(gl, self.head_dim, *tail)]
+        parts = [
+            qs.reshape(gl, hpg * self.head_dim, *tail),
+            ks.reshape(gl, self.head_dim, *tail),
+            vs.reshape(gl, self.head_dim, *tail),
+        ]
         return torch.cat(parts, 1).reshape(-1, *tail)
 
     def unshard(self, parts):
@@ -173,8 +189,11 @@ class QKV(Mapping):
         tail = full.shape[1:]
         grouped = full.reshape(self.num_groups, (hpg + 2) * self.head_dim, *tail)
         q, k, v = torch.split(grouped, [hpg * self.head_dim, self.head_dim, self.head_dim], dim=1)
-        return {self.hf_names[0]: q.reshape(-1, *tail), self.hf_names[1]: k.reshape(-1, *tail),
-                self.hf_names[2]: v.reshape(-1, *tail)}
+        return {
+            self.hf_names[0]: q.reshape(-1, *tail),
+            self.hf_names[1]: k.reshape(-1, *tail),
+            self.hf_names[2]: v.reshape(-1, *tail),
+        }
 
 
 class GatedMLP(Mapping):
@@ -190,8 +209,10 @@ class GatedMLP(Mapping):
 
     def unshard(self, parts):
         halves = [p.chunk(2, dim=0) for p in parts]
-        return {self.hf_names[0]: torch.cat([h[0] for h in halves], 0),
-                self.hf_names[1]: torch.cat([h[1] for h in halves], 0)}
+        return {
+            self.hf_names[0]: torch.cat([h[0] for h in halves], 0),
+            self.hf_names[1]: torch.cat([h[1] for h in halves], 0),
+        }
 
 
 @dataclass
@@ -199,6 +220,7 @@ class Expert(Mapping):
     """One of this EP rank's local experts: megatron's local expert `local` on EP rank `ep_rank` is HF's global
     expert `ep_rank * per_rank + local` (megatron places experts in contiguous blocks). `of(e)` is global expert e's
     own mapping (GatedMLP for linear_fc1, Row for linear_fc2), sharded over the expert-TP group."""
+
     of: Callable = None
     local: int = 0
     per_rank: int = 1
@@ -223,5 +245,5 @@ class Expert(Mapping):
         (expert-TP rank fastest, as megatron's rank generator orders them)."""
         out = {}
         for r in range(len(parts) // etp):
-            out.update(self.of(r * self.per_rank + self.local).unshard(parts[r * etp:(r + 1) * etp]))
+            out.update(self.of(r * self.per_rank + self.local).unshard(parts[r * etp : (r + 1) * etp]))
         return out

@@ -4,6 +4,7 @@ Qwen3-MoE (router and experts; megatron's expert loop `local_experts.{i}` or TE'
 Both megatron's local spec and its TransformerEngine spec (which fuses the norms into the next linear)
 are covered. Layer indices are global: a chunk's local layer i is `layers[i].layer_number - 1`.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,11 +32,14 @@ def _expert_mapping(suffix: str, g: int, info) -> Mapping | None:
     local, fc = (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
     p = f"model.layers.{g}.mlp.experts."
     if fc == "linear_fc1":
+
         def of(e):
             return GatedMLP((p + f"{e}.gate_proj.weight", p + f"{e}.up_proj.weight"))
     else:
+
         def of(e):
             return Row((p + f"{e}.down_proj.weight",))
+
     rank, size = _ep()
     return Expert((), of=of, local=local, per_rank=info.moe.num_experts // size, ep_rank=rank, ep_size=size)
 
@@ -44,8 +48,9 @@ def mlp_hf_names(g: int, info) -> set:
     """HF names of layer g's MLP: the router and every expert where the layer is sparse, gate/up/down otherwise."""
     p = f"model.layers.{g}.mlp."
     if info.moe is not None and info.moe.sparse_layers[g]:
-        return {p + "gate.weight"} | {p + f"experts.{e}.{x}_proj.weight" for e in range(info.moe.num_experts)
-                                       for x in ("gate", "up", "down")}
+        return {p + "gate.weight"} | {
+            p + f"experts.{e}.{x}_proj.weight" for e in range(info.moe.num_experts) for x in ("gate", "up", "down")
+        }
     kinds = ("weight", "bias") if info.mlp_bias else ("weight",)
     return {p + f"{x}_proj.{k}" for x in ("gate", "up", "down") for k in kinds}
 
@@ -103,8 +108,9 @@ def mapping_for(chunk, name: str, padded_vocab: int) -> Mapping:
         mapping = _layer_mapping(m.group(2), layer.layer_number - 1, info)
         if mapping is not None:
             return mapping
-    raise KeyError(f"no HF mapping for megatron parameter {name!r} (family {info.family}); "
-                   f"add it to mgrpo/resharding/name_map.py")
+    raise KeyError(
+        f"no HF mapping for megatron parameter {name!r} (family {info.family}); add it to mgrpo/resharding/name_map.py"
+    )
 
 
 def chunk_mappings(chunk):
@@ -136,8 +142,10 @@ def consumed_hf_names(model_chunks) -> set:
         for suffix in suffixes:
             mapping = _layer_mapping(suffix, g, info)
             if mapping is None:
-                raise KeyError(f"no HF mapping for megatron layer parameter {suffix!r} (family {info.family}); "
-                               f"add it to mgrpo/resharding/name_map.py")
+                raise KeyError(
+                    f"no HF mapping for megatron layer parameter {suffix!r} (family {info.family}); "
+                    f"add it to mgrpo/resharding/name_map.py"
+                )
             names.update(mapping.hf_names)
         names.add(f"model.layers.{g}.post_attention_layernorm.weight")  # TE fuses it into linear_fc1 (an mlp. name)
         names |= mlp_hf_names(g, info)

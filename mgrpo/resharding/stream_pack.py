@@ -10,6 +10,7 @@ Two layouts: `aligned`, mgrpo's own (`bucket.pack_bucket`: ALIGN-byte offsets, z
 `Bucket`), and `flattened`, SGLang's `FlattenedTensorBucket` (back to back, no padding: a tensor whose offset would
 not be a multiple of its item size starts a new bucket instead).
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,8 @@ class StreamPacker:
                 grown[: self.end].copy_(buf[: self.end])
             self.buffers[self.slot] = buf = grown
         if off > self.end:
-            buf[self.end: off].zero_()  # padding is zeroed, so equal tensors give equal digests
-        dst = buf[off: off + n]
+            buf[self.end : off].zero_()  # padding is zeroed, so equal tensors give equal digests
+        dst = buf[off : off + n]
         if t.is_contiguous():
             dst.copy_(t.reshape(-1).view(torch.uint8))
         else:  # a strided view (a TP gather's rows): copied without a contiguous temporary
@@ -74,8 +75,10 @@ class StreamPacker:
         self.index += 1
         if self.layout == "flattened":
             return flat, meta
-        return Bucket(flat, dict(version=version, index=self.index - 1, count=0, offsets=[0], nbytes=[flat.numel()],
-                                 sha256="", **meta))
+        return Bucket(
+            flat,
+            dict(version=version, index=self.index - 1, count=0, offsets=[0], nbytes=[flat.numel()], sha256="", **meta),
+        )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -84,11 +87,24 @@ class StreamPacker:
         """The bucket filled so far and the switch to the other buffer: a `Bucket` (aligned) or (flat, {names,
         dtypes, shapes}) (flattened). The returned tensor is valid until the bucket after next is begun."""
         flat = self.buffers[self.slot][: self.end]
-        names, dtypes, shapes, offsets, nbytes = (list(x) for x in zip(*self.items)) if self.items else \
-            ([], [], [], [], [])
+        names, dtypes, shapes, offsets, nbytes = (
+            (list(x) for x in zip(*self.items)) if self.items else ([], [], [], [], [])
+        )
         if self.layout == "aligned":
-            out = Bucket(flat, dict(version=version, index=self.index, count=0, names=names, dtypes=dtypes,
-                                    shapes=shapes, offsets=offsets, nbytes=nbytes, sha256=""))
+            out = Bucket(
+                flat,
+                dict(
+                    version=version,
+                    index=self.index,
+                    count=0,
+                    names=names,
+                    dtypes=dtypes,
+                    shapes=shapes,
+                    offsets=offsets,
+                    nbytes=nbytes,
+                    sha256="",
+                ),
+            )
         else:
             out = (flat, {"names": names, "dtypes": dtypes, "shapes": shapes})
         self.items, self.end, self.slot, self.index = [], 0, 1 - self.slot, self.index + 1

@@ -1,6 +1,7 @@
 """ms-swift reward classes in mgrpo: an ORM is a class whose `__call__(completions, **kwargs)` returns one value
 per completion, with dataset columns as keyword lists (`solution=[...]`). `register_orm("name", MyORM)` or
 ms-swift's own idiom, `orms["name"] = MyORM`, registers it as a batched mgrpo reward; async ORMs stay async."""
+
 from __future__ import annotations
 
 import inspect
@@ -22,11 +23,13 @@ def register_orm(name: str, orm):
     call = instance.__call__
 
     if inspect.iscoroutinefunction(call):
+
         async def reward(samples, tokenizer, **kwargs):
             completions = [completion_text(s, tokenizer) for s in samples]
             messages = [s.messages for s in samples]
             return list(await instance(completions, messages=messages, **{**_columns(samples), **kwargs}))
     else:
+
         def reward(samples, tokenizer, **kwargs):
             completions = [completion_text(s, tokenizer) for s in samples]
             messages = [s.messages for s in samples]

@@ -11,6 +11,7 @@ the ones that run math-verify are isolated (worker processes, per-call timeout).
 - `soft_overlong`: DAPO's length penalty on the response's model tokens (all turns): 0 up to L_max - cache, then
   linear down to -1 at L_max, and -1 beyond.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1: j]
+            return text[i + 1 : j]
     return None
 
 
@@ -56,8 +57,9 @@ def verify_answer(completion: str, solution) -> bool:
     main = threading.current_thread() is threading.main_thread()
     limits = {} if main else {"parsing_timeout": None}
     answer = extract_answer(completion)
-    gold = parse(f"${solution}$" if not str(solution).startswith("$") else str(solution), **limits) or \
-        parse(str(solution), **limits)
+    gold = parse(f"${solution}$" if not str(solution).startswith("$") else str(solution), **limits) or parse(
+        str(solution), **limits
+    )
     guess = parse(f"${answer}$", **limits) or parse(answer, **limits)
     if not gold or not guess:
         return False
@@ -83,10 +85,18 @@ def react_format(completion: str, **_):
 
 
 @register_reward("cosine", per_sample=True, isolated=True)
-def cosine(completion: str, solution=None, length: int = 0, max_tokens: int | None = None,
-           cosine_min_len_value_wrong: float = -0.5, cosine_max_len_value_wrong: float = 0.0,
-           cosine_min_len_value_correct: float = 1.0, cosine_max_len_value_correct: float = 0.5,
-           cosine_max_len: int | None = None, **_):
+def cosine(
+    completion: str,
+    solution=None,
+    length: int = 0,
+    max_tokens: int | None = None,
+    cosine_min_len_value_wrong: float = -0.5,
+    cosine_max_len_value_wrong: float = 0.0,
+    cosine_min_len_value_correct: float = 1.0,
+    cosine_max_len_value_correct: float = 0.5,
+    cosine_max_len: int | None = None,
+    **_,
+):
     """ms-swift's CosineReward: value = lo + (hi - lo) (1 + cos(pi length / max_len)) / 2."""
     if solution is None:
         return None
@@ -105,19 +115,27 @@ def repetition(completion: str, repetition_n_grams: int = 3, repetition_max_pena
     n = repetition_n_grams
     if len(words) < n:
         return 0.0
-    grams = [tuple(words[i: i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return (1.0 - len(set(grams)) / len(grams)) * repetition_max_penalty
 
 
 @register_reward("soft_overlong", per_sample=True)
-def soft_overlong(completion: str, length: int = 0, max_tokens: int | None = None, soft_max_length: int | None = None,
-                  soft_cache_length: int = 0, **_):
+def soft_overlong(
+    completion: str,
+    length: int = 0,
+    max_tokens: int | None = None,
+    soft_max_length: int | None = None,
+    soft_cache_length: int = 0,
+    **_,
+):
     """DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13), L_max = soft_max_length (default: the response's
     token budget), L_cache = soft_cache_length, |y| = `length`, the response's model tokens (loss-mask tokens of
     every turn): 0 while |y| <= L_max - L_cache, then (L_max - L_cache - |y|) / L_cache, and -1 past L_max."""
     limit = soft_max_length or max_tokens
     if not limit or soft_cache_length <= 0:
-        raise ValueError("soft_overlong needs reward.kwargs.soft_cache_length > 0 (and soft_max_length, default "
-                         "the response's token budget)")
+        raise ValueError(
+            "soft_overlong needs reward.kwargs.soft_cache_length > 0 (and soft_max_length, default "
+            "the response's token budget)"
+        )
     excess = length - (limit - soft_cache_length)
     return max(min(-excess / soft_cache_length, 0.0), -1.0)

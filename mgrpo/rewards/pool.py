@@ -5,6 +5,7 @@ its worker killed and replaced, and counts as a failed sample; the step goes on.
 Why processes: math-verify bounds its own work with SIGALRM, which only works in a main thread, and a Python
 thread cannot be stopped. A worker's main thread can use SIGALRM, and a worker can be killed.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -23,6 +23,7 @@ sample's model tokens: its loss-mask tokens over every turn), `max_tokens` (the 
   sample does not fail the others;
 - the wrong number of values (or a value that is not a number): a `RewardError` naming the function.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,6 +53,7 @@ class RewardError(ValueError):
 class AllRewardsFailed(RuntimeError):
     """Every sample of a call failed its reward (each function's first exception in the message): the run stops."""
 
+
 @dataclass
 class RewardSpec:
     fn: Callable
@@ -76,6 +78,7 @@ def register_reward(name: str, per_sample: bool = False, isolated: bool = False,
     def deco(fn):
         REWARDS.add(name, RewardSpec(fn, per_sample, isolated), override, where=where_defined(fn))
         return fn
+
     return deco
 
 
@@ -163,8 +166,9 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict, err
         raise
     except Exception as exc:
         _note(errors, name, exc)
-        log.warning("reward %r raised %s: %s; scoring its %d samples one by one", name, type(exc).__name__, exc,
-                    len(samples))
+        log.warning(
+            "reward %r raised %s: %s; scoring its %d samples one by one", name, type(exc).__name__, exc, len(samples)
+        )
     out = []
     for s in samples:
         try:
@@ -177,20 +181,19 @@ def _values(name: str, fn: Callable, samples: list, tokenizer, kwargs: dict, err
     return out
 
 
-def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts,
-                       errors: dict) -> list:
+def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kwargs: dict, opts, errors: dict) -> list:
     accepts = _accepts(spec.fn)  # once per function, not per sample
     items = [((completion_text(s, tokenizer),), _sample_kwargs(accepts, s, kwargs, opts.max_tokens)) for s in samples]
     if spec.isolated:
         from mgrpo.rewards.pool import FAILED, shared_pool
 
         pool = shared_pool(opts.workers, opts.plugins)
-        raw = pool.map(spec.fn, [(a, {k: v for k, v in kw.items() if k != "info"}) for a, kw in items],
-                       opts.timeout_s)
+        raw = pool.map(spec.fn, [(a, {k: v for k, v in kw.items() if k != "info"}) for a, kw in items], opts.timeout_s)
         raw = [_FAILED if v is FAILED else v for v in raw]
         if any(v is _FAILED for v in raw):
-            errors.setdefault(name, f"raised or ran past reward.timeout_s={opts.timeout_s:g} s in a reward "
-                                          f"worker process")
+            errors.setdefault(
+                name, f"raised or ran past reward.timeout_s={opts.timeout_s:g} s in a reward worker process"
+            )
     else:
         raw = []
         for args, kw in items:
@@ -204,8 +207,7 @@ def _per_sample_values(name: str, spec: RewardSpec, samples: list, tokenizer, kw
     return [v if v is _FAILED or v is None else float(v) for v in raw]
 
 
-async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float,
-                        errors: dict) -> dict:
+async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, timeout_s: float, errors: dict) -> dict:
     async def one(name, fn):
         try:
             got = await within(fn(samples, tokenizer, **kwargs, **_column_kwargs(fn, samples, kwargs)), timeout_s)
@@ -214,8 +216,12 @@ async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, tim
             raise
         except Exception as exc:  # noqa: BLE001  (a raise or a timeout fails the batch's samples)
             _note(errors, name, exc)
-            log.warning("async reward %r failed for its %d samples: %s", name, len(samples),
-                        f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            log.warning(
+                "async reward %r failed for its %d samples: %s",
+                name,
+                len(samples),
+                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+            )
             return [_FAILED] * len(samples)
 
     names = list(specs)
@@ -226,12 +232,16 @@ async def _async_values(specs: dict, samples: list, tokenizer, kwargs: dict, tim
 def _checked(name: str, values, n: int) -> list:
     values = list(values) if values is not None else []
     if len(values) != n:
-        raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} samples; it must return "
-                          f"one value (a number, or None for 'not applicable') per sample")
+        raise RewardError(
+            f"reward function {name!r} returned {len(values)} values for {n} samples; it must return "
+            f"one value (a number, or None for 'not applicable') per sample"
+        )
     for v in values:
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-            raise RewardError(f"reward function {name!r} returned {v!r} ({type(v).__name__}); return a number, or "
-                              f"None for 'not applicable'")
+            raise RewardError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}); return a number, or "
+                f"None for 'not applicable'"
+            )
     return [None if v is None else float(v) for v in values]
 
 
@@ -266,8 +276,11 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
     for name, spec in specs.items():
         if name in table:
             continue
-        table[name] = _per_sample_values(name, spec, samples, tokenizer, kwargs, opts, errors) if spec.per_sample \
+        table[name] = (
+            _per_sample_values(name, spec, samples, tokenizer, kwargs, opts, errors)
+            if spec.per_sample
             else _values(name, spec.fn, samples, tokenizer, kwargs, errors)
+        )
     total = []
     for i, s in enumerate(samples):
         value, failed = 0.0, []
@@ -289,9 +302,15 @@ def score(samples, tokenizer, funcs: list, weights=None, kwargs=None, options: S
         names = sorted({n for s in samples for n in s.info.get("reward_failed", [])})
         first = "; ".join(f"reward {n!r}: {errors.get(n, 'returned NaN or inf')}" for n in names)
         if n_failed == len(samples):
-            raise AllRewardsFailed(f"every one of the {len(samples)} samples failed its reward, so nothing can "
-                                   f"train; first failure: {first}. Fix the reward function (or its inputs) and "
-                                   f"run again")
-        log.warning("%d of %d samples failed their reward (%s): they get no advantage and no loss", n_failed,
-                    len(samples), first)
+            raise AllRewardsFailed(
+                f"every one of the {len(samples)} samples failed its reward, so nothing can "
+                f"train; first failure: {first}. Fix the reward function (or its inputs) and "
+                f"run again"
+            )
+        log.warning(
+            "%d of %d samples failed their reward (%s): they get no advantage and no loss",
+            n_failed,
+            len(samples),
+            first,
+        )
     return total

@@ -7,13 +7,26 @@ label), scoring prompt + completion rendered with the reward model's own chat te
 then `reward.funcs: [my_rm]`. The model loads on first use, on the engine-owner ranks that score (CUDA if
 present, else CPU, or `device=`), in eval mode with no gradients.
 """
+
 from __future__ import annotations
 
 
 class SequenceClassifierReward:
-    def __init__(self, path: str, batch_size: int = 16, device: str | None = None, max_length: int | None = None,
-                 dtype: str = "float32"):
-        self.path, self.batch_size, self.device, self.max_length, self.dtype = path, batch_size, device, max_length, dtype
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 16,
+        device: str | None = None,
+        max_length: int | None = None,
+        dtype: str = "float32",
+    ):
+        self.path, self.batch_size, self.device, self.max_length, self.dtype = (
+            path,
+            batch_size,
+            device,
+            max_length,
+            dtype,
+        )
         self.model = self.tokenizer = None
 
     def _load(self) -> None:
@@ -24,8 +37,11 @@ class SequenceClassifierReward:
 
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(self.path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.path, dtype=getattr(torch, self.dtype)).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+            .to(self.device)
+            .eval()
+        )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
@@ -50,8 +66,13 @@ class SequenceClassifierReward:
         out = []
         with torch.no_grad():
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[i: i + self.batch_size], return_tensors="pt", padding=True,
-                                     truncation=self.max_length is not None, max_length=self.max_length)
+                enc = self.tokenizer(
+                    texts[i : i + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=self.max_length is not None,
+                    max_length=self.max_length,
+                )
                 logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
                 out += logits[:, 0].float().tolist()
         return out

@@ -1,5 +1,6 @@
 """JSON control calls to rollout servers (httpx, synchronous: no event loop): what the remote engines and the
 collective transports share."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,9 @@ class ServerCallError(RuntimeError):
     """A control call that failed; the message names the server, the route and why."""
 
 
-def http_json(url: str, method: str, path: str, body: dict | None, headers: dict, timeout: float, context=None,
-              name: str = "") -> dict:
+def http_json(
+    url: str, method: str, path: str, body: dict | None, headers: dict, timeout: float, context=None, name: str = ""
+) -> dict:
     """One JSON call to a rollout server (`body` a dict, or bytes sent as they are); any failure is a ServerCallError
     naming it. A body that is not JSON (SGLang's /flush_cache answers text) comes back as {"text": ...}."""
     import json
@@ -23,16 +25,27 @@ def http_json(url: str, method: str, path: str, body: dict | None, headers: dict
         headers = dict(headers, **{"Content-Type": "application/octet-stream" if raw else "application/json"})
     name = name or url.split("://", 1)[-1]
     try:
-        resp = httpx.request(method, url + path, content=content, headers=headers, timeout=timeout,
-                             verify=context if context is not None else True)
+        resp = httpx.request(
+            method,
+            url + path,
+            content=content,
+            headers=headers,
+            timeout=timeout,
+            verify=context if context is not None else True,
+        )
     except httpx.HTTPError as exc:
         raise ServerCallError(f"rollout server {name}: {method} {path} failed: {exc or type(exc).__name__}") from None
     if resp.status_code >= 400:
-        raise ServerCallError(f"rollout server {name}: {method} {path} -> {resp.status_code} "
-                              f"{resp.content[:300].decode(errors='replace')}")
+        raise ServerCallError(
+            f"rollout server {name}: {method} {path} -> {resp.status_code} "
+            f"{resp.content[:300].decode(errors='replace')}"
+        )
     try:
-        return json.loads(resp.content) if resp.content.strip().startswith((b"{", b"[")) else {
-            "text": resp.content.decode(errors="replace")}
+        return (
+            json.loads(resp.content)
+            if resp.content.strip().startswith((b"{", b"["))
+            else {"text": resp.content.decode(errors="replace")}
+        )
     except ValueError as exc:
         raise ServerCallError(f"rollout server {name}: {method} {path}: the answer is not JSON ({exc})") from None
 

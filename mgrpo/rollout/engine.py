@@ -4,19 +4,21 @@ per-request seeds.
 An engine takes token ids in and gives token ids, logprobs of the distribution it sampled from, finish reasons
 and the weight version of every token out. Weights come in as buckets of HF-named tensors, all or nothing.
 """
+
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
-from mgrpo.rollout.types import SamplingParams
 from mgrpo.registry import Registry
+from mgrpo.rollout.types import SamplingParams
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; the manager checks these at start, never mid-run."""
+
     async_generate: bool = False  # several generate() calls may be in flight at once
     sleep: bool = False  # sleep()/wake() free and restore the engine's memory
     logprobs: str = "processed"  # processed: of the distribution sampled from | raw: before temperature etc.
@@ -36,8 +38,15 @@ class Engine(Protocol):
 
 
 # factory(cfg, model_dir, tokenizer) -> Engine; vllm and SGLang themselves are imported by their own processes
-ENGINES = Registry("rollout engine", builtins=("mgrpo.rollout.engines.hf", "mgrpo.rollout.engines.vllm",
-                                               "mgrpo.rollout.engines.remote", "mgrpo.rollout.engines.sglang"))
+ENGINES = Registry(
+    "rollout engine",
+    builtins=(
+        "mgrpo.rollout.engines.hf",
+        "mgrpo.rollout.engines.vllm",
+        "mgrpo.rollout.engines.remote",
+        "mgrpo.rollout.engines.sglang",
+    ),
+)
 
 
 def register_engine(name: str, override: bool = False):
@@ -62,8 +71,10 @@ def check_capabilities(engine: Engine, cfg) -> None:
     if not isinstance(caps, Capabilities):
         raise TypeError(f"engine {getattr(engine, 'name', engine)!r} declares no Capabilities")
     if caps.logprobs != "processed":
-        raise ValueError(f"engine {engine.name} returns {caps.logprobs} logprobs; mgrpo needs the logprobs of the "
-                         f"distribution it sampled from (processed)")
+        raise ValueError(
+            f"engine {engine.name} returns {caps.logprobs} logprobs; mgrpo needs the logprobs of the "
+            f"distribution it sampled from (processed)"
+        )
 
 
 def truncation_warning(cfg) -> str | None:
@@ -71,11 +82,13 @@ def truncation_warning(cfg) -> str | None:
     r = cfg.rollout
     if r.top_p >= 1 and not r.top_k:
         return None
-    return (f"warning: rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: the engine samples from the truncated, "
-            f"renormalised distribution and reports its logprobs, while the trainer computes log_softmax(z / T) "
-            f"over the whole vocabulary, so pi_old / pi_rollout is off by the probability mass kept; "
-            f"rollout_is/rollout_logp_abs_diff shows the gap. RL usually samples with top_p 1 and top_k 0 "
-            f"(verl's recommendation); keep truncation only with algorithm.rollout_is_mode set.")
+    return (
+        f"warning: rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: the engine samples from the truncated, "
+        f"renormalised distribution and reports its logprobs, while the trainer computes log_softmax(z / T) "
+        f"over the whole vocabulary, so pi_old / pi_rollout is off by the probability mass kept; "
+        f"rollout_is/rollout_logp_abs_diff shows the gap. RL usually samples with top_p 1 and top_k 0 "
+        f"(verl's recommendation); keep truncation only with algorithm.rollout_is_mode set."
+    )
 
 
 def request_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:

@@ -9,6 +9,7 @@ HF engine computes inline and cannot hang on I/O); then every rank receives ever
 broadcast per engine owner), or the first error, so all ranks fail the step together with one line naming the
 engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,16 @@ def engine_owners(placement: str) -> dict:
     """{dp_rank: global rank} of every engine (also the export destinations)."""
     from megatron.core import parallel_state as mpu
 
-    mine = torch.tensor([mpu.get_data_parallel_rank(), int(mpu.get_pipeline_model_parallel_rank() == 0
-                         and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0)])
+    mine = torch.tensor(
+        [
+            mpu.get_data_parallel_rank(),
+            int(
+                mpu.get_pipeline_model_parallel_rank() == 0
+                and mpu.get_tensor_model_parallel_rank() == 0
+                and mpu.get_context_parallel_rank() == 0
+            ),
+        ]
+    )
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(table, mine, group=cpu_group())
     leaders = {int(t[0]): r for r, t in enumerate(table) if int(t[1])}
@@ -69,20 +78,28 @@ class RolloutManager:
     def requests_for(self, rows: list, step: int, prompt_indices, n: int, first: int = 0, tag: str = "") -> list:
         """n requests per prompt, seeded per sample by (step, prompt index first + i, sample index)."""
         seed = self.cfg.train.seed + (7919 if tag else 0)  # validation draws its own streams
-        return [GenerationRequest(prompt_ids(self.tokenizer, rows[i], self.cfg.data.apply_chat_template),
-                                  request_seed(seed, step, first + i, j), f"{tag}{step}-{first + i}-{j}")
-                for i in prompt_indices for j in range(n)]
+        return [
+            GenerationRequest(
+                prompt_ids(self.tokenizer, rows[i], self.cfg.data.apply_chat_template),
+                request_seed(seed, step, first + i, j),
+                f"{tag}{step}-{first + i}-{j}",
+            )
+            for i in prompt_indices
+            for j in range(n)
+        ]
 
     async def _run(self, requests: list, sampling: SamplingParams) -> list:
         chunk, timeout = self.cfg.rollout.max_inflight, self.cfg.rollout.request_timeout_s
-        parts = [requests[i: i + chunk] for i in range(0, len(requests), chunk)]
+        parts = [requests[i : i + chunk] for i in range(0, len(requests), chunk)]
 
         async def one(part):
             try:
                 return await within(self.engine.generate(part, sampling), timeout)
             except asyncio.TimeoutError:
-                raise RolloutError(f"engine {self.engine.name} did not answer {len(part)} requests within "
-                                   f"rollout.request_timeout_s={timeout:g} s") from None
+                raise RolloutError(
+                    f"engine {self.engine.name} did not answer {len(part)} requests within "
+                    f"rollout.request_timeout_s={timeout:g} s"
+                ) from None
 
         if self.engine.capabilities.async_generate:
             results = await asyncio.gather(*(one(p) for p in parts))
@@ -103,15 +120,23 @@ class RolloutManager:
         from mgrpo.rewards.registry import ScoreOptions, response_token_budget
 
         r = self.cfg.reward
-        return ScoreOptions(r.timeout_s, r.workers, tuple(self.cfg.external_plugins),
-                            response_token_budget(self.cfg.rollout))
+        return ScoreOptions(
+            r.timeout_s, r.workers, tuple(self.cfg.external_plugins), response_token_budget(self.cfg.rollout)
+        )
 
     def rounds_per_step(self) -> int:
         a = self.cfg.algorithm
         return 1 + (a.max_resample_times if a.dynamic_sampling else 0)
 
-    def generate_share(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
-                       n: int | None = None, tag: str = "") -> list:
+    def generate_share(
+        self,
+        rows: list,
+        step: int,
+        round_: int = 0,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        tag: str = "",
+    ) -> list:
         """This engine's share of `rows` as Samples, n per prompt. Round r of a step (dynamic sampling draws
         several) numbers its prompts from r x len(rows): group ids and sampling seeds never repeat."""
         mine = shares(len(rows), len(self.owners))[self.index]
@@ -123,29 +148,58 @@ class RolloutManager:
             from mgrpo.schedulers.driver import scheduled_share
 
             prompt_of = [mine[k // n] for k in range(len(requests))]
-            return scheduled_share(self.scheduler(), self.engine, self.cfg, requests, [rows[i] for i in prompt_of],
-                                   [first_group + i for i in prompt_of], sampling or self.sampling())
+            return scheduled_share(
+                self.scheduler(),
+                self.engine,
+                self.cfg,
+                requests,
+                [rows[i] for i in prompt_of],
+                [first_group + i for i in prompt_of],
+                sampling or self.sampling(),
+            )
         responses = asyncio.run(self._run(requests, sampling or self.sampling()))
         samples = []
         for k, (req, resp) in enumerate(zip(requests, responses)):
             i = mine[k // n]
             extra = {key: v for key, v in rows[i].items() if key not in ("messages", "prompt_ids")}
-            samples.append(Sample(prompt_ids=list(req.prompt_ids), response_ids=list(resp.token_ids),
-                                  loss_mask=[1] * len(resp.token_ids), rollout_logprobs=list(resp.logprobs),
-                                  group_id=first_group + i, weight_version=min(resp.weight_versions, default=0),
-                                  finish_reason=resp.finish_reason, messages=rows[i]["messages"],
-                                  info=dict(extra, engine=resp.served_by or self.engine.name),
-                                  routed_experts=resp.routed_experts))
+            samples.append(
+                Sample(
+                    prompt_ids=list(req.prompt_ids),
+                    response_ids=list(resp.token_ids),
+                    loss_mask=[1] * len(resp.token_ids),
+                    rollout_logprobs=list(resp.logprobs),
+                    group_id=first_group + i,
+                    weight_version=min(resp.weight_versions, default=0),
+                    finish_reason=resp.finish_reason,
+                    messages=rows[i]["messages"],
+                    info=dict(extra, engine=resp.served_by or self.engine.name),
+                    routed_experts=resp.routed_experts,
+                )
+            )
         return samples
 
-    def rollout(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
-                n: int | None = None, tag: str = "") -> list:
+    def rollout(
+        self,
+        rows: list,
+        step: int,
+        round_: int = 0,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        tag: str = "",
+    ) -> list:
         """Each engine owner generates and scores its share of `rows`; every rank gets every sample, sorted by
         group (or every rank raises the first owner's error)."""
         return self.share(self.generate_local(rows, step, round_, sampling, n, tag))
 
-    def generate_local(self, rows: list, step: int, round_: int = 0, sampling: SamplingParams | None = None,
-                       n: int | None = None, tag: str = "") -> dict:
+    def generate_local(
+        self,
+        rows: list,
+        step: int,
+        round_: int = 0,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        tag: str = "",
+    ) -> dict:
         """This owner's share of `rows`, generated and scored, as a JSON-safe payload (no collective: a background
         producer may run it; ranks without an engine return an empty one)."""
         from mgrpo.rewards.registry import score
@@ -221,13 +275,15 @@ def make_transport(cfg, engine):
     if cfg.rollout.engine == "sglang":
         from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
 
-        return SGLangCollectiveTransport(engine, bucket_bytes, bind=remote.collective_bind,
-                                         timeout_s=remote.update_timeout_s, ca_file=remote.ca_file)
+        return SGLangCollectiveTransport(
+            engine, bucket_bytes, bind=remote.collective_bind, timeout_s=remote.update_timeout_s, ca_file=remote.ca_file
+        )
     if cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective":
         from mgrpo.rollout.transports.collective import CollectiveTransport
 
-        return CollectiveTransport(engine, bucket_bytes, bind=cfg.rollout.remote.collective_bind,
-                                   timeout_s=cfg.rollout.remote.update_timeout_s)
+        return CollectiveTransport(
+            engine, bucket_bytes, bind=cfg.rollout.remote.collective_bind, timeout_s=cfg.rollout.remote.update_timeout_s
+        )
     return engine.weight_transport(bucket_bytes) if engine is not None else None
 
 
@@ -236,8 +292,9 @@ def adapter_sync(cfg) -> bool:
     return cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
 
 
-def push_weights(transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int,
-                 adapter_only: bool = False) -> int | None:
+def push_weights(
+    transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int, adapter_only: bool = False
+) -> int | None:
     """Every rank drives the export (a collective); engine owners push it to their engine; then all ranks fail
     together if any engine rejected it (the rejecting engine still serves its old version). A per-stage transport
     (collective) takes the model chunks on every rank instead of one exported stream. `adapter_only`: the export
@@ -255,8 +312,9 @@ def push_weights(transport, model_chunks: list, version: int, owners: dict, buck
             sent[0] += t.numel() * t.element_size()
             yield name, t
 
-    named_tensors = [] if per_stage else counted(export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes,
-                                                           tensors=tensors))
+    named_tensors = (
+        [] if per_stage else counted(export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes, tensors=tensors))
+    )
     if transport is not None:
         try:
             if per_stage:

@@ -20,6 +20,7 @@ a truncated importance weight on every token (TIS, `algorithm.rollout_is_mode: t
 (AReaL's decoupled PPO, areal/utils/functional/functional.py `ppo_actor_loss_fn`; verl's rollout correction,
 verl/trainer/ppo/rollout_corr_helper.py). With one update per batch pi_old is the current policy detached.
 """
+
 from __future__ import annotations
 
 import time
@@ -88,8 +89,13 @@ class RolloutProducer:
             samples = self.manager.share(entry.result() if entry is not None else {"samples": []})
         waited = time.perf_counter() - t0
         samples, dropped, stale = self._fresh(samples, version)
-        metrics = {"timing/wait_rollout": waited, "timing/wait_train": self.idle, "async/discarded": dropped,
-                   "async/staleness_mean": sum(stale) / max(len(stale), 1), "async/staleness_max": max(stale, default=0)}
+        metrics = {
+            "timing/wait_rollout": waited,
+            "timing/wait_train": self.idle,
+            "async/discarded": dropped,
+            "async/staleness_mean": sum(stale) / max(len(stale), 1),
+            "async/staleness_max": max(stale, default=0),
+        }
         self.idle = 0.0
         return samples, metrics if self.threaded else {}
 
@@ -107,8 +113,9 @@ class RolloutProducer:
         for step in sorted(self.pending):
             entry = self.pending[step]
             if self.threaded and not isinstance(entry, _Shared):
-                self.pending[step] = _Shared(self.manager.share(entry.result() if entry is not None
-                                                                else {"samples": []}))
+                self.pending[step] = _Shared(
+                    self.manager.share(entry.result() if entry is not None else {"samples": []})
+                )
         return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]
 
     def restore(self, saved: list, next_step: int) -> None:

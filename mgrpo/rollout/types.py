@@ -1,5 +1,6 @@
 """The currency between rollout and trainer: one `Sample` per trajectory, token ids in and out; and the
 request/response types every engine speaks."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from typing import Optional
 @dataclass
 class SamplingParams:
     """What every request of a call is sampled with; temperature 0 = greedy."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -51,8 +53,10 @@ class Sample:
 
     def __post_init__(self):
         if len(self.loss_mask) != len(self.response_ids):
-            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.response_ids)} response "
-                             f"tokens; they must have the same length")
+            raise ValueError(
+                f"loss_mask has {len(self.loss_mask)} entries for {len(self.response_ids)} response "
+                f"tokens; they must have the same length"
+            )
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError("rollout_logprobs must be None or as long as response_ids")
 

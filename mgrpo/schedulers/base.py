@@ -10,6 +10,7 @@ last assistant message is encoded as is; new messages are rendered by the chat t
 prefix (`tokens.MessageTokens`). Those environment tokens get loss mask 0 and no logprobs. The next turn's
 prompt is the previous prompt + the turn's tokens + the environment tokens: history is never re-templated.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,9 @@ class RolloutScheduler:
     async def on_trajectory_start(self, requests: list) -> None:
         """Before the first turn; may rewrite `request.messages` (the prompt is then encoded from them)."""
 
-    async def on_turn_end(self, infer_request: InferRequest, response_choice: ResponseChoice, current_turn: int) -> dict:
+    async def on_turn_end(
+        self, infer_request: InferRequest, response_choice: ResponseChoice, current_turn: int
+    ) -> dict:
         """After the turn's text is appended to the messages, before `check_finished`. May return `done` (overrides
         check_finished) and `rollout_infos` (merged into the trajectory's infos, which reach `Sample.info`)."""
         return {}
@@ -57,11 +60,16 @@ class RolloutScheduler:
         response = await self.infer_engine.infer_async(infer_request, sampling)
         choice = response.choices[0]
         messages = infer_request.messages + [{"role": "assistant", "content": choice.message.content}]
-        return RolloutOutput(messages=messages, response_token_ids=[list(choice.token_ids)],
-                             response_loss_mask=[[1] * len(choice.token_ids)],
-                             rollout_logprobs=[list(choice.token_logprobs)], rollout_infos={"num_turns": 1},
-                             finish_reason=choice.finish_reason, response=response,
-                             weight_version=choice.weight_version)
+        return RolloutOutput(
+            messages=messages,
+            response_token_ids=[list(choice.token_ids)],
+            response_loss_mask=[[1] * len(choice.token_ids)],
+            rollout_logprobs=[list(choice.token_logprobs)],
+            rollout_infos={"num_turns": 1},
+            finish_reason=choice.finish_reason,
+            response=response,
+            weight_version=choice.weight_version,
+        )
 
     @staticmethod
     def append_assistant_completion(infer_request: InferRequest, completion: str) -> bool:
@@ -86,8 +94,10 @@ class TokenStream:
 
     def add(self, ids: list, mask: list, logprobs: list = ()) -> None:
         if len(mask) != len(ids):
-            raise SchedulerError(f"response_loss_mask has {len(mask)} entries for {len(ids)} response_token_ids; "
-                                 f"return them with the same length")
+            raise SchedulerError(
+                f"response_loss_mask has {len(mask)} entries for {len(ids)} response_token_ids; "
+                f"return them with the same length"
+            )
         if any(m not in (0, 1) for m in mask):
             raise SchedulerError("response_loss_mask values must be 0 or 1")
         self.ids += list(ids)
@@ -150,8 +160,10 @@ class MultiTurnScheduler(RolloutScheduler):
             ret = self.step(req, choice, turn)
             ret = await ret if inspect.isawaitable(ret) else ret
             if not isinstance(ret, dict) or not isinstance(ret.get("infer_request"), InferRequest):
-                raise SchedulerError(f"{type(self).__name__}.step() must return a dict with an InferRequest under "
-                                     f"'infer_request'; got {type(ret).__name__}")
+                raise SchedulerError(
+                    f"{type(self).__name__}.step() must return a dict with an InferRequest under "
+                    f"'infer_request'; got {type(ret).__name__}"
+                )
             req = ret["infer_request"]
             infos.update(ret.get("rollout_infos") or {})
             self._append_turn(stream, choice, ret, before, req.messages, eos)
@@ -161,13 +173,21 @@ class MultiTurnScheduler(RolloutScheduler):
                 finish = "length"
                 break
             turn += 1
-        return RolloutOutput(messages=req.messages, response_token_ids=stream.ids, response_loss_mask=stream.mask,
-                             rollout_logprobs=stream.logprobs, rollout_infos={**infos, "num_turns": turn},
-                             finish_reason=finish, response=response, weight_version=version or 0,
-                             prompt_ids=prompt)
+        return RolloutOutput(
+            messages=req.messages,
+            response_token_ids=stream.ids,
+            response_loss_mask=stream.mask,
+            rollout_logprobs=stream.logprobs,
+            rollout_infos={**infos, "num_turns": turn},
+            finish_reason=finish,
+            response=response,
+            weight_version=version or 0,
+            prompt_ids=prompt,
+        )
 
-    def _append_turn(self, stream: TokenStream, choice: ResponseChoice, ret: dict, before: tuple, messages: list,
-                     eos) -> None:
+    def _append_turn(
+        self, stream: TokenStream, choice: ResponseChoice, ret: dict, before: tuple, messages: list, eos
+    ) -> None:
         """The turn's tokens, then the environment's: text appended to the assistant message, new messages."""
         n_before, assistant_text = before
         if "response_token_ids" in ret:  # the scheduler accounts for its own edits of the assistant message
@@ -178,13 +198,17 @@ class MultiTurnScheduler(RolloutScheduler):
         else:
             ids, mask, lps = list(choice.token_ids), [1] * len(choice.token_ids), list(choice.token_logprobs)
             if len(messages) < n_before or messages[n_before - 1]["role"] != "assistant":
-                raise SchedulerError("step() removed or replaced messages; only append messages or text, or return "
-                                     "response_token_ids for the turn")
+                raise SchedulerError(
+                    "step() removed or replaced messages; only append messages or text, or return "
+                    "response_token_ids for the turn"
+                )
             content = messages[n_before - 1]["content"]
             if not content.startswith(assistant_text):
-                raise SchedulerError("step() rewrote the assistant message; appending text is fine, anything else "
-                                     "must come with response_token_ids (and response_loss_mask) for the turn")
-            appended = content[len(assistant_text):]
+                raise SchedulerError(
+                    "step() rewrote the assistant message; appending text is fine, anything else "
+                    "must come with response_token_ids (and response_loss_mask) for the turn"
+                )
+            appended = content[len(assistant_text) :]
         new = messages[n_before:]
         env = self.message_tokens.text(appended) if appended else []
         if new:

@@ -6,6 +6,7 @@ async engine (vLLM) gets one call per turn and batches them continuously itself.
 requests are ever at the engine. A trajectory that raises is reported, counted and kept out of training (its
 sample carries `info["trajectory_error"]` and gets a NaN reward); the step goes on unless every one failed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,15 +46,22 @@ class TurnClient:
         engine's routed experts (MoE) are kept per trajectory, whatever the scheduler does with the turn."""
         infer_request.turns_generated += 1
         k = infer_request.turns_generated
-        req = GenerationRequest(list(infer_request.prompt_ids), turn_seed(infer_request.seed, k),
-                                f"{infer_request.uuid}-t{k}")
+        req = GenerationRequest(
+            list(infer_request.prompt_ids), turn_seed(infer_request.seed, k), f"{infer_request.uuid}-t{k}"
+        )
         resp = await self.generate(req, sampling)
         if resp.routed_experts is not None:
-            self.turns.setdefault(infer_request.uuid, []).append((req.prompt_ids, list(resp.token_ids),
-                                                                 resp.routed_experts))
+            self.turns.setdefault(infer_request.uuid, []).append(
+                (req.prompt_ids, list(resp.token_ids), resp.routed_experts)
+            )
         text = self.tokenizer.decode(resp.token_ids, skip_special_tokens=True)
-        choice = ResponseChoice(ChatMessage("assistant", text), list(resp.token_ids), resp.finish_reason,
-                                list(resp.logprobs), min(resp.weight_versions, default=0))
+        choice = ResponseChoice(
+            ChatMessage("assistant", text),
+            list(resp.token_ids),
+            resp.finish_reason,
+            list(resp.logprobs),
+            min(resp.weight_versions, default=0),
+        )
         return ChatResponse([choice])
 
     async def generate(self, request: GenerationRequest, sampling):
@@ -89,8 +97,10 @@ class TurnClient:
         try:
             out = await within(self.engine.generate([r for r, _, _ in group], group[0][1]), self.timeout)
         except asyncio.TimeoutError:
-            out = TimeoutError(f"engine {self.engine.name} did not answer {len(group)} turns within "
-                               f"rollout.request_timeout_s={self.timeout:g} s")
+            out = TimeoutError(
+                f"engine {self.engine.name} did not answer {len(group)} turns within "
+                f"rollout.request_timeout_s={self.timeout:g} s"
+            )
         except Exception as exc:  # noqa: BLE001  (each waiting trajectory gets it)
             out = exc
         for k, (_, _, future) in enumerate(group):
@@ -119,8 +129,9 @@ async def run_trajectories(scheduler, requests: list, sampling, max_concurrent: 
     return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids: list | None = None,
-              turns: list | None = None) -> Sample:
+def to_sample(
+    out, request: InferRequest, group_id: int, info: dict, prompt_ids: list | None = None, turns: list | None = None
+) -> Sample:
     """A finished trajectory as a Sample: flat tokens, one logprob per token (0.0 at mask-0 positions, which
     no loss reads), or None when the scheduler's logprobs do not match its mask-1 tokens (ms-swift's rule);
     with `turns` (TurnClient.turns of an MoE engine), the routed experts of every turn merged over the trajectory
@@ -128,8 +139,13 @@ def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids:
     A trajectory that raised becomes an empty response on its original prompt (`prompt_ids`)."""
     if isinstance(out, BaseException):
         prompt = prompt_ids if prompt_ids is not None else request.prompt_ids
-        return Sample(prompt_ids=list(prompt), group_id=group_id, finish_reason="abort",
-                      messages=request.messages, info=dict(info, trajectory_error=f"{type(out).__name__}: {out}"))
+        return Sample(
+            prompt_ids=list(prompt),
+            group_id=group_id,
+            finish_reason="abort",
+            messages=request.messages,
+            info=dict(info, trajectory_error=f"{type(out).__name__}: {out}"),
+        )
     ids = flatten(out.response_token_ids)
     mask = flatten(out.response_loss_mask) if out.response_loss_mask else [1] * len(ids)
     lps = flatten(out.rollout_logprobs)
@@ -150,27 +166,47 @@ def to_sample(out, request: InferRequest, group_id: int, info: dict, prompt_ids:
 
         routed = merge_turn_routing(prompt + list(ids), turns)
         if routed is not None:  # row p predicts token p + 1: the loss tokens' rows start at len(prompt) - 1
-            has = decode_routing(routed)[len(prompt) - 1:, 0, 0] >= 0
+            has = decode_routing(routed)[len(prompt) - 1 :, 0, 0] >= 0
             extra["routing_unrecorded"] = sum(1 for m, h in zip(mask, has.tolist()) if m and not h)
-    return Sample(prompt_ids=prompt, response_ids=list(ids), loss_mask=list(mask), rollout_logprobs=logprobs,
-                  group_id=group_id, weight_version=out.weight_version, finish_reason=out.finish_reason,
-                  messages=out.messages, info=extra, routed_experts=routed)
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=list(ids),
+        loss_mask=list(mask),
+        rollout_logprobs=logprobs,
+        group_id=group_id,
+        weight_version=out.weight_version,
+        finish_reason=out.finish_reason,
+        messages=out.messages,
+        info=extra,
+        routed_experts=routed,
+    )
 
 
 def report(samples: list, engine_name: str) -> None:
     """One warning per rollout for failed trajectories and dropped logprobs; all failed raises."""
     failed = [s for s in samples if "trajectory_error" in s.info]
     if failed and len(failed) == len(samples):
-        raise AllTrajectoriesFailed(f"all {len(samples)} trajectories on engine {engine_name} failed; first: "
-                                    f"{failed[0].info['trajectory_error']}")
+        raise AllTrajectoriesFailed(
+            f"all {len(samples)} trajectories on engine {engine_name} failed; first: "
+            f"{failed[0].info['trajectory_error']}"
+        )
     if failed:
-        log.warning("%d of %d trajectories on engine %s raised and are left out of training; first: %s",
-                    len(failed), len(samples), engine_name, failed[0].info["trajectory_error"])
+        log.warning(
+            "%d of %d trajectories on engine %s raised and are left out of training; first: %s",
+            len(failed),
+            len(samples),
+            engine_name,
+            failed[0].info["trajectory_error"],
+        )
     dropped = sum(1 for s in samples if s.info.get("logprobs_dropped"))
     if dropped:
-        log.warning("%d of %d trajectories returned rollout logprobs that do not match their mask-1 tokens; their "
-                    "rollout logprobs are dropped (ms-swift's rule): return rollout_logprobs from step() when it "
-                    "rewrites response_token_ids", dropped, len(samples))
+        log.warning(
+            "%d of %d trajectories returned rollout logprobs that do not match their mask-1 tokens; their "
+            "rollout logprobs are dropped (ms-swift's rule): return rollout_logprobs from step() when it "
+            "rewrites response_token_ids",
+            dropped,
+            len(samples),
+        )
 
 
 def fail_aborted(samples: list) -> None:
@@ -186,10 +222,13 @@ def trajectory_metrics(samples: list) -> dict:
     rollout/trajectories_failed, rollout/logprobs_dropped and (MoE engines that report routing)
     rollout/routing_unrecorded_tokens (loss tokens no turn's record covers: they route freely under replay)."""
     turns = [int(s.info.get("num_turns", 0)) for s in samples] or [0]
-    out = {"rollout/num_turns/mean": sum(turns) / len(turns), "rollout/num_turns/max": max(turns),
-           "rollout/env_tokens/mean": sum(s.info.get("env_tokens", 0) for s in samples) / max(len(samples), 1),
-           "rollout/trajectories_failed": sum("trajectory_error" in s.info for s in samples),
-           "rollout/logprobs_dropped": sum(bool(s.info.get("logprobs_dropped")) for s in samples)}
+    out = {
+        "rollout/num_turns/mean": sum(turns) / len(turns),
+        "rollout/num_turns/max": max(turns),
+        "rollout/env_tokens/mean": sum(s.info.get("env_tokens", 0) for s in samples) / max(len(samples), 1),
+        "rollout/trajectories_failed": sum("trajectory_error" in s.info for s in samples),
+        "rollout/logprobs_dropped": sum(bool(s.info.get("logprobs_dropped")) for s in samples),
+    }
     if any("routing_unrecorded" in s.info for s in samples):
         out["rollout/routing_unrecorded_tokens"] = sum(s.info.get("routing_unrecorded", 0) for s in samples)
     return out
@@ -217,11 +256,20 @@ def scheduled_share(scheduler, engine, cfg, requests: list, rows: list, group_id
     infer, infos = [], []
     for req, row in zip(requests, rows):
         columns = {k: v for k, v in row.items() if k not in ("messages", "prompt_ids")}
-        infer.append(InferRequest(messages=copy.deepcopy(row["messages"]), data_dict=copy.deepcopy(columns),
-                                  uuid=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed))
+        infer.append(
+            InferRequest(
+                messages=copy.deepcopy(row["messages"]),
+                data_dict=copy.deepcopy(columns),
+                uuid=req.request_id,
+                prompt_ids=list(req.prompt_ids),
+                seed=req.seed,
+            )
+        )
         infos.append(dict(columns, engine=engine.name))
     outs = asyncio.run(run_trajectories(scheduler, infer, sampling, cfg.rollout.max_concurrent))
-    samples = [to_sample(o, r, g, i, q.prompt_ids, client.turns.get(r.uuid))
-               for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)]
+    samples = [
+        to_sample(o, r, g, i, q.prompt_ids, client.turns.get(r.uuid))
+        for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)
+    ]
     report(samples, engine.name)
     return samples

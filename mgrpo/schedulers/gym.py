@@ -6,6 +6,7 @@ One environment per trajectory, made from the row's `env_config` (its `name`, or
 summed step rewards reach the reward functions as `info["total_reward"]` (reward `env_reward`), with
 `step_rewards` and `gym_done`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -72,16 +73,19 @@ class GymScheduler(MultiTurnScheduler):
     def _create_env(self, env_config: dict) -> Env:
         name = env_config.get("name", self.gym_env)
         if name not in envs:
-            raise KeyError(f"environment {name!r} is not registered; known: {', '.join(sorted(envs))} (set a row's "
-                           f"env_config.name or rollout.scheduler_kwargs.gym_env)")
+            raise KeyError(
+                f"environment {name!r} is not registered; known: {', '.join(sorted(envs))} (set a row's "
+                f"env_config.name or rollout.scheduler_kwargs.gym_env)"
+            )
         return envs[name](env_config)
 
     async def on_trajectory_start(self, requests: list) -> None:
         for req in requests:
             env = self._create_env(dict((req.data_dict or {}).get("env_config") or {}))
             observation, _info, system = await env.reset(req)
-            req.messages = ([{"role": "system", "content": system}] if system else []) + \
-                [{"role": "user", "content": observation}]
+            req.messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": observation}
+            ]
             self._envs[req.uuid], self._rewards[req.uuid], self._pending[req.uuid] = env, [], None
 
     async def on_turn_end(self, infer_request, response_choice, current_turn) -> dict:
@@ -92,8 +96,11 @@ class GymScheduler(MultiTurnScheduler):
         observation, reward, done, info = await env.step(copy.deepcopy(infer_request.messages))
         self._rewards[uid].append(float(reward))
         self._pending[uid] = None if done else observation
-        infos = {"total_reward": sum(self._rewards[uid]), "step_rewards": list(self._rewards[uid]),
-                 "gym_done": bool(done)}
+        infos = {
+            "total_reward": sum(self._rewards[uid]),
+            "step_rewards": list(self._rewards[uid]),
+            "gym_done": bool(done),
+        }
         infos.update({f"env_{k}": v for k, v in (info or {}).items()})
         return {"done": bool(done), "rollout_infos": infos}
 

@@ -3,6 +3,7 @@ append a tip (loss mask 0, no logprobs); the model continues the same assistant 
 
 The answer is checked against the row's `solution` column with math-verify (the `accuracy` reward's check). A tip is given once.
 """
+
 from __future__ import annotations
 
 from mgrpo.rewards.outcome import verify_answer
@@ -25,8 +26,10 @@ class MathTipsScheduler(MultiTurnScheduler):
             return True
         solution = infer_request.data_dict.get(self.solution_key)
         if solution is None:
-            raise KeyError(f"MathTipsScheduler needs a {self.solution_key!r} column in the dataset (or set "
-                           f"rollout.scheduler_kwargs.solution_key)")
+            raise KeyError(
+                f"MathTipsScheduler needs a {self.solution_key!r} column in the dataset (or set "
+                f"rollout.scheduler_kwargs.solution_key)"
+            )
         if verify_answer(content, solution):
             return True
         return super().check_finished(infer_request, response_choice, current_turn)
@@ -40,6 +43,10 @@ class MathTipsScheduler(MultiTurnScheduler):
         tips = self.message_tokens.text(self.tips_prompt)
         message = infer_request.messages[-1]
         message["content"] = message["content"][: len(message["content"]) - len(completion)] + kept + self.tips_prompt
-        return {"infer_request": infer_request, "response_token_ids": ids + tips,
-                "response_loss_mask": [1] * len(ids) + [0] * len(tips),
-                "rollout_logprobs": list(response_choice.token_logprobs[:keep]), "rollout_infos": {"tipped": True}}
+        return {
+            "infer_request": infer_request,
+            "response_token_ids": ids + tips,
+            "response_loss_mask": [1] * len(ids) + [0] * len(tips),
+            "rollout_logprobs": list(response_choice.token_logprobs[:keep]),
+            "rollout_infos": {"tipped": True},
+        }

@@ -1,5 +1,6 @@
 """Schedulers and environments by name: `rollout.scheduler: tool_call` and a row's `env_config.name` (or the
 scheduler's `gym_env`). ms-swift's names work too (`multi_turns` / `envs` are the same dicts)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -7,8 +8,16 @@ from typing import Callable
 from mgrpo.registry import Registry
 
 # ms-swift's registry names: `multi_turns["name"] = cls` and `envs["name"] = cls` work as there
-multi_turns = Registry("scheduler", builtins=("mgrpo.schedulers.base", "mgrpo.schedulers.builtin", "mgrpo.schedulers.gym",
-                                              "mgrpo.schedulers.tool_call", "mgrpo.schedulers.math_tips"))
+multi_turns = Registry(
+    "scheduler",
+    builtins=(
+        "mgrpo.schedulers.base",
+        "mgrpo.schedulers.builtin",
+        "mgrpo.schedulers.gym",
+        "mgrpo.schedulers.tool_call",
+        "mgrpo.schedulers.math_tips",
+    ),
+)
 envs = Registry("environment", builtins=("mgrpo.schedulers.builtin", "mgrpo.schedulers.gym"))
 
 
@@ -30,5 +39,6 @@ def make_rollout_scheduler(cfg, tokenizer, max_total_tokens: int | None):
     """The configured scheduler; `rollout.scheduler_kwargs` go to its constructor (e.g. gym_env, tips_prompt)."""
     r = cfg.rollout
     kwargs = dict(r.scheduler_kwargs or {})
-    return multi_turns.lookup(r.scheduler, "rollout.scheduler")(None, r.max_turns, tokenizer=tokenizer, max_total_tokens=max_total_tokens,
-                                    **kwargs)
+    return multi_turns.lookup(r.scheduler, "rollout.scheduler")(
+        None, r.max_turns, tokenizer=tokenizer, max_total_tokens=max_total_tokens, **kwargs
+    )

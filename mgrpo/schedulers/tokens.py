@@ -5,6 +5,7 @@ Why never re-template: a chat template may render history differently from how t
 the `<think>` block of earlier assistant turns), and decode-then-encode does not give back the same ids. Both
 would make the trainer score tokens the engine never sampled.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,18 +29,23 @@ class MessageTokens:
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
         self.tokenizer, self.kwargs = tokenizer, dict(chat_template_kwargs or {})
         if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError("the tokenizer has no chat template; multi-turn schedulers that append messages "
-                                "need one (or return response_token_ids from step() themselves)")
+            raise TemplateError(
+                "the tokenizer has no chat template; multi-turn schedulers that append messages "
+                "need one (or return response_token_ids from step() themselves)"
+            )
 
     def render_tail(self, new_messages: list) -> str:
         dummy = [{"role": "user", "content": DUMMY_USER}, {"role": "assistant", "content": DUMMY_ASSISTANT}]
-        text = self.tokenizer.apply_chat_template(dummy + list(new_messages), tokenize=False,
-                                                  add_generation_prompt=True, **self.kwargs)
+        text = self.tokenizer.apply_chat_template(
+            dummy + list(new_messages), tokenize=False, add_generation_prompt=True, **self.kwargs
+        )
         at = text.find(DUMMY_ASSISTANT)
         if at < 0 or text.find(DUMMY_ASSISTANT, at + 1) >= 0:
-            raise TemplateError("the chat template does not render an earlier assistant message verbatim exactly "
-                                "once, so the tokens of appended messages cannot be isolated")
-        return text[at + len(DUMMY_ASSISTANT):]
+            raise TemplateError(
+                "the chat template does not render an earlier assistant message verbatim exactly "
+                "once, so the tokens of appended messages cannot be isolated"
+            )
+        return text[at + len(DUMMY_ASSISTANT) :]
 
     def new_messages(self, new_messages: list) -> list:
         return list(self.tokenizer.encode(self.render_tail(new_messages), add_special_tokens=False))

@@ -5,6 +5,7 @@ invented observation, is dropped with its logprobs), the tool's `Observation: ..
 assistant message with loss mask 0, and the model continues that message in the next turn. A turn without a
 tool call ends the trajectory. Tools are plain functions `fn(text) -> str` in `self.tools`; add your own there.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,10 +17,17 @@ from mgrpo.schedulers.registry import register_scheduler
 from mgrpo.schedulers.tokens import truncate_at_text
 
 ACTION = re.compile(r"Action:\s*(?P<tool>[^\n]*?)\s*\nAction Input:\s*(?P<input>[^\n]*)(?:\n|$)")
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-MAX_EXPRESSION_CHARS, MAX_EXPONENT, MAX_MAGNITUDE = 200, 64, 10 ** 30
+MAX_EXPRESSION_CHARS, MAX_EXPONENT, MAX_MAGNITUDE = 200, 64, 10**30
 
 
 class CalculatorError(ValueError):
@@ -106,9 +114,13 @@ class ToolCallScheduler(MultiTurnScheduler):
         observation = self.observation_format.format(self.run_tool(call["tool"], call["input"]))
         obs_ids = newline + self.message_tokens.text(observation)
         messages = infer_request.messages
-        messages[-1]["content"] = messages[-1]["content"][: len(messages[-1]["content"]) - len(completion)] \
-            + kept_text + observation
-        return {"infer_request": infer_request, "response_token_ids": ids + obs_ids,
-                "response_loss_mask": [1] * len(ids) + [0] * len(obs_ids),
-                "rollout_logprobs": list(response_choice.token_logprobs[:keep]),
-                "rollout_infos": {"tool_calls": current_turn, "last_observation": observation.strip()}}
+        messages[-1]["content"] = (
+            messages[-1]["content"][: len(messages[-1]["content"]) - len(completion)] + kept_text + observation
+        )
+        return {
+            "infer_request": infer_request,
+            "response_token_ids": ids + obs_ids,
+            "response_loss_mask": [1] * len(ids) + [0] * len(obs_ids),
+            "rollout_logprobs": list(response_choice.token_logprobs[:keep]),
+            "rollout_infos": {"tool_calls": current_turn, "last_observation": observation.strip()},
+        }

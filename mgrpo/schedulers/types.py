@@ -5,6 +5,7 @@ The difference from ms-swift: a request also carries `prompt_ids`, the exact tok
 generated from. The run loop grows it by appending tokens (the response, then the tokens of what the scheduler
 added); the message list is the text view for schedulers, environments and rewards, and is never re-templated.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ class ChatMessage:
 class InferRequest:
     """One trajectory's request: its messages (text world), dataset row (`data_dict`), a uuid, and the token
     context of its next turn (`prompt_ids`; the run loop maintains it)."""
+
     messages: list
     data_dict: dict = field(default_factory=dict)
     uuid: str = ""
@@ -33,6 +35,7 @@ class InferRequest:
 class ResponseChoice:
     """One generated turn. `message.content` is the decoded text (special tokens skipped); `logprobs` is
     ms-swift's / OpenAI's `{"content": [{"token_id", "logprob"}, ...]}`; `token_logprobs` the same as a list."""
+
     message: ChatMessage
     token_ids: list
     finish_reason: str  # stop | length | abort
@@ -48,6 +51,7 @@ class ResponseChoice:
 @dataclass
 class ChatResponse:
     """What `infer_async` returns, as ms-swift's ChatCompletionResponse: `response.choices[0]`."""
+
     choices: list
 
 
@@ -57,6 +61,7 @@ class RolloutOutput:
     what followed the initial prompt, environment tokens included; `response_loss_mask` the same shape (0 for
     environment tokens); `rollout_logprobs` one logprob per mask-1 token (ms-swift's rule) in segments or flat,
     or empty when unknown."""
+
     messages: list
     response_token_ids: list
     response_loss_mask: list

@@ -1,5 +1,6 @@
 """`mgrpo-train --help` is generated from the config dataclasses: every leaf field appears once with its type and
 default, and a field's comment in mgrpo/config.py is its help line."""
+
 import dataclasses
 import typing
 

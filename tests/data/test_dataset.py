@@ -2,6 +2,7 @@
 token ids (checked against the tokenizer's own chat template); bad rows are listed one line each and the launcher
 exits 2 before any process group; over-long prompts are dropped and counted; the epoch order is fixed by the seed
 and the stream's position restores exactly."""
+
 import json
 import os
 import subprocess
@@ -13,11 +14,16 @@ from mgrpo.config import DataConfig
 from mgrpo.data.dataset import DatasetError, PromptStream, load_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ROWS = [{"prompt": "what is 2 + 2?", "answer": "4", "id": 0},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"}],
-         "answer": "red", "id": 1},
-        {"prompt": "count to three " * 8, "answer": "1 2 3", "id": 2},
-        {"messages": [{"role": "user", "content": "hello"}], "answer": "hi", "id": 3}]
+ROWS = [
+    {"prompt": "what is 2 + 2?", "answer": "4", "id": 0},
+    {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"}],
+        "answer": "red",
+        "id": 1,
+    },
+    {"prompt": "count to three " * 8, "answer": "1 2 3", "id": 2},
+    {"messages": [{"role": "user", "content": "hello"}], "answer": "hi", "id": 3},
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +36,12 @@ def tokenizer(tiny_dirs):
 def write_all_formats(tmp_path, rows) -> dict:
     import datasets
 
-    paths = {"jsonl": tmp_path / "d.jsonl", "json": tmp_path / "d.json", "parquet": tmp_path / "d.parquet",
-             "disk": tmp_path / "d_disk"}
+    paths = {
+        "jsonl": tmp_path / "d.jsonl",
+        "json": tmp_path / "d.json",
+        "parquet": tmp_path / "d.parquet",
+        "disk": tmp_path / "d_disk",
+    }
     paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths["json"].write_text(json.dumps(rows))
     table = datasets.load_dataset("json", data_files=str(paths["jsonl"]), split="train")
@@ -46,8 +56,9 @@ def test_every_format_gives_the_same_token_ids_as_the_chat_template(tmp_path, to
     reference = []
     for r in ROWS:  # independent: the tokenizer's own template on the messages we mean
         messages = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
-        reference.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                            tokenize=True)["input_ids"]))
+        reference.append(
+            list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        )
     for kind, got in loaded.items():
         assert [row["prompt_ids"] for row in got.rows] == reference, kind
         assert [(row["answer"], row["id"]) for row in got.rows] == [(r["answer"], r["id"]) for r in ROWS], kind
@@ -67,8 +78,15 @@ def test_over_long_prompts_are_dropped_and_counted(tmp_path, tokenizer):
         load_prompts(path, tokenizer, DataConfig(max_prompt_length=1))
 
 
-BAD = [{"prompt": "fine"}, {"question": "no prompt column value"}, {"prompt": 7}, {"messages": []},
-       {"messages": "not a list"}, {"messages": [{"role": "user"}]}, {"prompt": "   "}]
+BAD = [
+    {"prompt": "fine"},
+    {"question": "no prompt column value"},
+    {"prompt": 7},
+    {"messages": []},
+    {"messages": "not a list"},
+    {"messages": [{"role": "user"}]},
+    {"prompt": "   "},
+]
 
 
 def test_bad_rows_are_listed_one_line_each(tmp_path, tokenizer):
@@ -91,8 +109,9 @@ def test_unusable_files_name_the_field_and_the_fix(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"data.path='.*x.csv': unknown format; use .jsonl, .json, .parquet"):
         (tmp_path / "x.csv").write_text("a,b\n")
         load_prompts(str(tmp_path / "x.csv"), tokenizer, DataConfig())
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a"}]),
-                                   "test": datasets.Dataset.from_list([{"prompt": "b"}])})
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([{"prompt": "a"}]), "test": datasets.Dataset.from_list([{"prompt": "b"}])}
+    )
     splits.save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DatasetError, match=r"holds several splits \(train, test\); point at one split's folder"):
         load_prompts(str(tmp_path / "dd"), tokenizer, DataConfig())
@@ -114,19 +133,29 @@ def test_launcher_lists_bad_rows_and_exits_2_before_any_process_group(tmp_path, 
     data = tmp_path / "bad.parquet"
     import datasets
 
-    datasets.Dataset.from_list([{"prompt": "ok", "messages": None}, {"prompt": None, "messages": []},
-                                {"prompt": None, "messages": None}]).to_parquet(str(data))
+    datasets.Dataset.from_list(
+        [{"prompt": "ok", "messages": None}, {"prompt": None, "messages": []}, {"prompt": None, "messages": None}]
+    ).to_parquet(str(data))
     cfg = {"model": {"path": model}, "data": {"path": str(data)}, "logging": {"output_dir": str(tmp_path / "o")}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))  # a rank of a 2-process world: init would block if reached
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                        str(tmp_path / "c.yaml")], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    env = dict(
+        os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )  # a rank of a 2-process world: init would block if reached
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config", str(tmp_path / "c.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.stderr[-2000:]
-    assert lines == [f"error: {data}: row 1: 'messages' is empty; give at least one {{role, content}} message",
-                     f"error: {data}: row 2: no prompt; add a non-empty 'prompt' string or a 'messages' list (or "
-                     f"set data.prompt_key / data.messages_key)"], lines
+    assert lines == [
+        f"error: {data}: row 1: 'messages' is empty; give at least one {{role, content}} message",
+        f"error: {data}: row 2: no prompt; add a non-empty 'prompt' string or a 'messages' list (or "
+        f"set data.prompt_key / data.messages_key)",
+    ], lines
     assert not (tmp_path / "o").exists()
 
 

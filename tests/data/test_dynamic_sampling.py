@@ -1,6 +1,7 @@
 """DAPO dynamic sampling: zero-std groups are dropped and replaced by new prompts until the batch is full, or the
 limit is hit (logged) and the batch is topped up to an evenly divisible size; counts reach the metrics. The last
 test runs the real trainer (HF engine) with a reward that is constant for chosen prompts."""
+
 import logging
 import os
 
@@ -16,24 +17,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def scripted_draw(rewards_per_round, n=2):
     """draw(round) -> samples; group g of round r gets the rewards given (one list per group)."""
+
     def draw(round_):
         out = []
         for g, rewards in enumerate(rewards_per_round[round_]):
             out += [Sample([1], [2], [1], reward=r, group_id=100 * round_ + g) for r in rewards]
         return out
+
     return draw
 
 
 def test_zero_std_groups_are_replaced_until_the_batch_is_full():
-    rounds = [[[1, 1], [0, 1], [0, 0], [1, 0]],  # 2 with signal
-              [[0.5, 0.5], [0, 1], [1, 1], [0.2, 0.3]]]  # 2 more
+    rounds = [
+        [[1, 1], [0, 1], [0, 0], [1, 0]],  # 2 with signal
+        [[0.5, 0.5], [0, 1], [1, 1], [0.2, 0.3]],
+    ]  # 2 more
     samples, counts = collect(scripted_draw(rounds), target=4, unit=1, max_resample_times=3)
     assert sorted({s.group_id for s in samples}) == [1, 3, 101, 103]
     assert all(has_signal([s for s in samples if s.group_id == g]) for g in (1, 3, 101, 103))
-    assert counts.metrics() == {"dynamic_sampling/kept_groups": 4.0, "dynamic_sampling/dropped_groups": 4.0,
-                                "dynamic_sampling/resample_rounds": 1.0, "dynamic_sampling/resampled_groups": 4.0,
-                                "dynamic_sampling/padding_groups": 0.0, "dynamic_sampling/trimmed_groups": 0.0,
-                                "dynamic_sampling/limit_hit": 0.0}
+    assert counts.metrics() == {
+        "dynamic_sampling/kept_groups": 4.0,
+        "dynamic_sampling/dropped_groups": 4.0,
+        "dynamic_sampling/resample_rounds": 1.0,
+        "dynamic_sampling/resampled_groups": 4.0,
+        "dynamic_sampling/padding_groups": 0.0,
+        "dynamic_sampling/trimmed_groups": 0.0,
+        "dynamic_sampling/limit_hit": 0.0,
+    }
 
 
 def test_a_full_batch_is_trimmed_and_nan_rewards_do_not_count_as_signal():
@@ -67,8 +77,10 @@ def test_at_the_limit_only_groups_with_signal_train_and_padding_is_marked(caplog
 def test_signal_counts_only_samples_that_train():
     """With the overlong filter a truncated sample is neither right nor wrong: a group whose only differing reward
     belongs to a truncated sample has no signal."""
-    group = [Sample([1], [2], [1], reward=r, group_id=0, finish_reason=f)
-             for r, f in ((1.0, "stop"), (1.0, "stop"), (0.0, "length"))]
+    group = [
+        Sample([1], [2], [1], reward=r, group_id=0, finish_reason=f)
+        for r, f in ((1.0, "stop"), (1.0, "stop"), (0.0, "length"))
+    ]
     assert has_signal(group) and not has_signal(group, overlong_filter=True)
 
 
@@ -83,13 +95,35 @@ def test_padding_and_overlong_samples_leave_the_advantage_statistics(single_rank
     from mgrpo.data.dynamic_sampling import PADDING
     from mgrpo.loss.advantages import STD_EPS, compute_advantages
 
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), ["--model.path", "m", "--rollout.n", "4",
-                      "--rollout.prompts_per_step", "2", "--algorithm.overlong_filter", "true"], check_files=False)
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            "m",
+            "--rollout.n",
+            "4",
+            "--rollout.prompts_per_step",
+            "2",
+            "--algorithm.overlong_filter",
+            "true",
+        ],
+        check_files=False,
+    )
     rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]
     finish = ["stop", "stop", "stop", "length", "stop", "stop", "stop", "stop"]
-    samples = [Sample([5, 6], [7, 8, 9], [1, 1, 1], rollout_logprobs=[-1.0] * 3, reward=r, group_id=i // 4,
-                      finish_reason=f, info={PADDING: True} if i >= 4 else {})
-               for i, (r, f) in enumerate(zip(rewards, finish))]
+    samples = [
+        Sample(
+            [5, 6],
+            [7, 8, 9],
+            [1, 1, 1],
+            rollout_logprobs=[-1.0] * 3,
+            reward=r,
+            group_id=i // 4,
+            finish_reason=f,
+            info={PADDING: True} if i >= 4 else {},
+        )
+        for i, (r, f) in enumerate(zip(rewards, finish))
+    ]
     batch = build_generation_batch(samples, cfg, pad_id=0, warn=False)
     assert batch.trained.tolist() == [True, True, True, False, False, False, False, False]
     assert all(sum(s.loss_mask) == 0 for s in samples[3:])
@@ -101,9 +135,16 @@ def test_padding_and_overlong_samples_leave_the_advantage_statistics(single_rank
     assert abs(float(raw[0]) - float(expect[0])) > 0.1
 
 
-@pytest.mark.parametrize("args,dp,unit", [([], 1, 1), ([], 2, 1), (["--rollout.n", "3"], 2, 2),
-                                          (["--train.steps_per_generation", "2", "--rollout.n", "2"], 2, 2),
-                                          (["--pp", "2", "--rollout.n", "2", "--train.micro_batch_size", "4"], 1, 2)])
+@pytest.mark.parametrize(
+    "args,dp,unit",
+    [
+        ([], 1, 1),
+        ([], 2, 1),
+        (["--rollout.n", "3"], 2, 2),
+        (["--train.steps_per_generation", "2", "--rollout.n", "2"], 2, 2),
+        (["--pp", "2", "--rollout.n", "2", "--train.micro_batch_size", "4"], 1, 2),
+    ],
+)
 def test_unit_groups_split_evenly(args, dp, unit):
     cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), args, check_files=False)
     got = unit_groups(cfg, dp)
@@ -126,11 +167,27 @@ def test_trainer_drops_constant_groups_and_trains_a_full_batch(single_rank, tmp_
     from mgrpo.trainer import GRPOTrainer
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false", "--train.steps", "2",
-        "--reward.funcs", "[constant_for_even_ids]", "--algorithm.dynamic_sampling", "true",
-        "--algorithm.max_resample_times", "4"])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+            "--logging.output_dir",
+            str(tmp_path / "run"),
+            "--logging.progress_bar",
+            "false",
+            "--train.steps",
+            "2",
+            "--reward.funcs",
+            "[constant_for_even_ids]",
+            "--algorithm.dynamic_sampling",
+            "true",
+            "--algorithm.max_resample_times",
+            "4",
+        ],
+    )
     cfg.model.tiny = None
     trainer = GRPOTrainer(cfg)
     drawn, batches = [], []

@@ -3,6 +3,7 @@ lengths spread from 16 to 512 tokens the packed path's loss and gradients equal 
 reference being the padded run of the same megatron model, megatron's own attention); the negative control (the row
 attended as one sequence) breaks it. The TP2, TP2+SP, CP2, PP2 and DP2 layouts run in the shared layout launch against the
 padded TP1 run (tests/parallel/test_layouts.py)."""
+
 import time
 
 import pytest
@@ -62,8 +63,10 @@ def actors(single_rank, tiny_dirs):
     model = tiny_dirs("packing_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=4)
     out = {}
     for packing_on in (False, True):
-        cfg = load_config(argv=["--model.path", model, "--data.path", "unused.jsonl", "--algorithm.policy_loss",
-                                "gspo"], check_files=False)  # a sequence-level ratio
+        cfg = load_config(
+            argv=["--model.path", model, "--data.path", "unused.jsonl", "--algorithm.policy_loss", "gspo"],
+            check_files=False,
+        )  # a sequence-level ratio
         cfg.train.sequence_packing = packing_on
         out[packing_on] = Actor(cfg, model)
     return out
@@ -73,8 +76,11 @@ def run(actors, samples, packing_on: bool, budget: int = 0):
     actor = actors[packing_on]
     from mgrpo.loss.aggregation import token_weights
 
-    groups = packing.budget_groups([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
-                                   packing_on) if budget else None
+    groups = (
+        packing.budget_groups([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget, packing_on)
+        if budget
+        else None
+    )
     weights = token_weights(samples, actor.cfg.algorithm.aggregation, 512)
     advs = [float(i % 3) - 1.0 for i in range(len(samples))]
     mbs = make_microbatches(samples, 4, 0, advs, token_weights=weights, groups=groups, packing=packing_on)
@@ -97,10 +103,14 @@ def test_packed_equals_padded_on_lengths_16_to_512(actors):
     loss0, grads0, t0, run0 = run(actors, samples, False)
     loss1, grads1, t1, run1 = run(actors, samples, True)
     loss2, grads2, t2, run2 = run(actors, samples, True, budget=700)
-    print(f"\npadded: {run0} tokens run ({1 - real / run0:.0%} padding), {t0:.2f} s; packed: {run1} tokens "
-          f"({1 - real / run1:.0%}), {t1:.2f} s; packed by 700-token budget: {run2} tokens, {t2:.2f} s")
-    print(f"loss diff {abs(loss1 - loss0):.1e} / {abs(loss2 - loss0):.1e}, grad diff {worst(grads1, grads0):.1e} / "
-          f"{worst(grads2, grads0):.1e}")
+    print(
+        f"\npadded: {run0} tokens run ({1 - real / run0:.0%} padding), {t0:.2f} s; packed: {run1} tokens "
+        f"({1 - real / run1:.0%}), {t1:.2f} s; packed by 700-token budget: {run2} tokens, {t2:.2f} s"
+    )
+    print(
+        f"loss diff {abs(loss1 - loss0):.1e} / {abs(loss2 - loss0):.1e}, grad diff {worst(grads1, grads0):.1e} / "
+        f"{worst(grads2, grads0):.1e}"
+    )
     assert run1 == real and run0 > 1.5 * real
     assert abs(loss1 - loss0) <= ABS and abs(loss2 - loss0) <= ABS
     assert worst(grads1, grads0) <= ABS and worst(grads2, grads0) <= ABS

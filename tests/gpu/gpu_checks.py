@@ -10,6 +10,7 @@ independent checks run first; every child process gets a timeout inside the scri
 (GPU_CHECK_TIMEOUT_S, which gpu_check.sh also enforces), and its stderr is saved whole under the log folder
 (GPU_CHECK_LOG_DIR, default outputs/gpu_check), the last 30 lines printed when it fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,25 +24,66 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-QWEN25_05B = dict(family="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                  ffn_hidden_size=4864, tie_word_embeddings=True, rope_theta=1e6)
-QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6)
-TINY = dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            ffn_hidden_size=256)
-TINY_7B = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, tie_word_embeddings=False)
+QWEN25_05B = dict(
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    ffn_hidden_size=4864,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+)
+TINY = dict(
+    family="qwen2", vocab_size=300, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=256
+)
+TINY_7B = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
 CHECKS = [  # name, budget (s), what it shows; cheap and independent first
     ("cuda_ipc", 20, "a second process maps a CUDA-IPC weight buffer and reads the tensors back bitwise"),
-    ("fused", 40, "fused vs naive logprob + entropy, vocab 152064, 8192 tokens, bf16: logprobs, entropy and the "
-                  "loss gradient agree; peak memory and time ratios"),
-    ("parity", 75, "megatron TP1 (local spec) logits vs HF, Qwen2.5-0.5B shape, 256 tokens: fp32 max|d| <= 1e-4; "
-                   "bf16 vs HF bf16 mean KL and mean|d| bounded, top-1 = fp32 HF's where its top-2 margin is clear"),
-    ("grpo_step", 75, "one GRPO step end to end (launch/train_grpo.py, nccl at world size 1, HF engine on the "
-                      "GPU): weights synced, engine logprobs = trainer logprobs (fp32, mean |d| <= 1e-4)"),
-    ("sync_7b", 80, "export + in-process sync of a random Qwen2.5-7B-shape model in bf16: seconds and GB/s beside "
-                    "a device-to-device copy of the same bytes"),
+    (
+        "fused",
+        40,
+        "fused vs naive logprob + entropy, vocab 152064, 8192 tokens, bf16: logprobs, entropy and the "
+        "loss gradient agree; peak memory and time ratios",
+    ),
+    (
+        "parity",
+        75,
+        "megatron TP1 (local spec) logits vs HF, Qwen2.5-0.5B shape, 256 tokens: fp32 max|d| <= 1e-4; "
+        "bf16 vs HF bf16 mean KL and mean|d| bounded, top-1 = fp32 HF's where its top-2 margin is clear",
+    ),
+    (
+        "grpo_step",
+        75,
+        "one GRPO step end to end (launch/train_grpo.py, nccl at world size 1, HF engine on the "
+        "GPU): weights synced, engine logprobs = trainer logprobs (fp32, mean |d| <= 1e-4)",
+    ),
+    (
+        "sync_7b",
+        80,
+        "export + in-process sync of a random Qwen2.5-7B-shape model in bf16: seconds and GB/s beside "
+        "a device-to-device copy of the same bytes",
+    ),
 ]
 # bf16 parity, judged on what bf16 cannot flip. Both sides round to 8 significant bits at every layer, so their
 # logits differ by ~1e-2 and a random model's argmax flips wherever its top-two gap is that small. Measured on this
@@ -75,12 +117,15 @@ def run_child(name: str, cmd: list, **kw) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         open(log, "w").write(err)
-        raise RuntimeError(f"{name}: timed out after {exc.timeout:.0f} s (inside the script's total); stderr in "
-                           f"{log}, last lines:\n{tail(err)}") from None
+        raise RuntimeError(
+            f"{name}: timed out after {exc.timeout:.0f} s (inside the script's total); stderr in "
+            f"{log}, last lines:\n{tail(err)}"
+        ) from None
     open(log, "w").write(proc.stderr)
     if proc.returncode:
-        raise RuntimeError(f"{name}: exited {proc.returncode}; stderr in {log}, last {CHILD_TAIL_LINES} lines:\n"
-                           f"{tail(proc.stderr)}")
+        raise RuntimeError(
+            f"{name}: exited {proc.returncode}; stderr in {log}, last {CHILD_TAIL_LINES} lines:\n{tail(proc.stderr)}"
+        )
     return proc
 
 
@@ -142,11 +187,20 @@ def check_parity(args, root: str) -> dict:
         del hf
     fp32_max = float((mine["float32"] - ref["float32"]).abs().max())
     b = bf16_agreement(mine["bfloat16"], ref["bfloat16"], ref["float32"])
-    ok = (fp32_max <= 1e-4 and b["kl"] <= BF16_KL_MAX and b["mean_abs"] <= BF16_MEAN_ABS_MAX
-          and b["top1"] >= BF16_TOP1_MIN)
-    return dict(ok=ok, parity_fp32_maxdiff=f"{fp32_max:.2e}", parity_bf16_kl=f"{b['kl']:.2e}",
-                parity_bf16_mean_abs=f"{b['mean_abs']:.2e}", parity_bf16_top1_clear=f"{b['top1']:.4f}",
-                parity_bf16_clear_frac=f"{b['clear']:.3f}")
+    ok = (
+        fp32_max <= 1e-4
+        and b["kl"] <= BF16_KL_MAX
+        and b["mean_abs"] <= BF16_MEAN_ABS_MAX
+        and b["top1"] >= BF16_TOP1_MIN
+    )
+    return dict(
+        ok=ok,
+        parity_fp32_maxdiff=f"{fp32_max:.2e}",
+        parity_bf16_kl=f"{b['kl']:.2e}",
+        parity_bf16_mean_abs=f"{b['mean_abs']:.2e}",
+        parity_bf16_top1_clear=f"{b['top1']:.4f}",
+        parity_bf16_clear_frac=f"{b['clear']:.3f}",
+    )
 
 
 def bf16_agreement(mine, ref, ref_fp32) -> dict:
@@ -159,20 +213,44 @@ def bf16_agreement(mine, ref, ref_fp32) -> dict:
     top2 = ref_fp32.topk(2, -1).values
     clear = (top2[:, 0] - top2[:, 1]) > BF16_MARGIN
     same = (mine.argmax(-1) == ref_fp32.argmax(-1))[clear]
-    return dict(kl=kl, mean_abs=float((mine - ref).abs().mean()), clear=float(clear.float().mean()),
-                top1=float(same.float().mean()) if clear.any() else 1.0)
+    return dict(
+        kl=kl,
+        mean_abs=float((mine - ref).abs().mean()),
+        clear=float(clear.float().mean()),
+        top1=float(same.float().mean()) if clear.any() else 1.0,
+    )
 
 
 def check_grpo_step(args, root: str) -> dict:
     import json
 
     out_dir = os.path.join(root, "grpo")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--train.steps", "2", "--rollout.engine", "hf",
-           "--model.path", os.path.join(out_dir, "model"), "--model.tiny", "--logging.output_dir", out_dir,
-           "--logging.tensorboard", "false", "--logging.report", "false", "--model.params_dtype", "float32"]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        "--train.steps",
+        "2",
+        "--rollout.engine",
+        "hf",
+        "--model.path",
+        os.path.join(out_dir, "model"),
+        "--model.tiny",
+        "--logging.output_dir",
+        out_dir,
+        "--logging.tensorboard",
+        "false",
+        "--logging.report",
+        "false",
+        "--model.params_dtype",
+        "float32",
+    ]
     run_child("grpo_step", cmd, cwd=ROOT, env=env)
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     diffs = [r[k] for r in rows for k in r if k.endswith("rollout_logp_abs_diff")]
@@ -212,18 +290,26 @@ def check_fused(args, root: str) -> dict:
         (lp.sum() + 0.1 * ent.sum()).backward()
         sync()
         peak = (torch.cuda.max_memory_allocated() - base) if dev().type == "cuda" else 0
-        stats[name] = dict(s=time.perf_counter() - t0, peak=peak, lp=lp.detach().float(), ent=ent.detach().float(),
-                           grad=x.grad.float())
+        stats[name] = dict(
+            s=time.perf_counter() - t0, peak=peak, lp=lp.detach().float(), ent=ent.detach().float(), grad=x.grad.float()
+        )
     f, n = stats["fused"], stats["naive"]
     d = {k: float((f[k] - n[k]).abs().max()) for k in ("lp", "ent", "grad")}
     mem = f["peak"] / max(n["peak"], 1) if dev().type == "cuda" else float("nan")
     tr = f["s"] / n["s"]
     # both paths compute in fp32 from the same logits: bf16 enters only through the inputs and the stored grad
-    tol = ({"lp": 5e-2, "ent": 5e-2, "grad": 1e-2} if dtype == torch.bfloat16
-           else {"lp": 1e-4, "ent": 1e-4, "grad": 1e-6})
+    tol = (
+        {"lp": 5e-2, "ent": 5e-2, "grad": 1e-2} if dtype == torch.bfloat16 else {"lp": 1e-4, "ent": 1e-4, "grad": 1e-6}
+    )
     ok = all(d[k] <= tol[k] for k in d) and (mem != mem or mem < 1.0)
-    return dict(ok=ok, fused_mem_ratio=f"{mem:.3f}", fused_time_ratio=f"{tr:.2f}", fused_logp_maxdiff=f"{d['lp']:.1e}",
-                fused_entropy_maxdiff=f"{d['ent']:.1e}", fused_grad_maxdiff=f"{d['grad']:.1e}")
+    return dict(
+        ok=ok,
+        fused_mem_ratio=f"{mem:.3f}",
+        fused_time_ratio=f"{tr:.2f}",
+        fused_logp_maxdiff=f"{d['lp']:.1e}",
+        fused_entropy_maxdiff=f"{d['ent']:.1e}",
+        fused_grad_maxdiff=f"{d['grad']:.1e}",
+    )
 
 
 def check_sync_7b(args, root: str) -> dict:
@@ -264,9 +350,14 @@ def check_sync_7b(args, root: str) -> dict:
     dst.copy_(src)
     sync()
     copy_s = time.perf_counter() - t1
-    return dict(ok=same and receipt["tensors"] == len(dict(hf.named_parameters())), sync_7b_s=f"{secs:.2f}",
-                sync_7b_GBps=f"{nbytes / secs / 1e9:.1f}", d2d_copy_s=f"{copy_s:.3f}",
-                d2d_GBps=f"{nbytes / copy_s / 1e9:.0f}", sync_7b_GB=f"{nbytes / 1e9:.1f}")
+    return dict(
+        ok=same and receipt["tensors"] == len(dict(hf.named_parameters())),
+        sync_7b_s=f"{secs:.2f}",
+        sync_7b_GBps=f"{nbytes / secs / 1e9:.1f}",
+        d2d_copy_s=f"{copy_s:.3f}",
+        d2d_GBps=f"{nbytes / copy_s / 1e9:.0f}",
+        sync_7b_GB=f"{nbytes / 1e9:.1f}",
+    )
 
 
 CHILD = """
@@ -312,8 +403,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on any device (CI runs the code on CPU)")
     ap.add_argument("--only", default="", help="comma-separated check names")
-    ap.add_argument("--require-cuda", action="store_true",
-                    help="exit 3 with one line when CUDA is not available (the run on a lent GPU machine)")
+    ap.add_argument(
+        "--require-cuda",
+        action="store_true",
+        help="exit 3 with one line when CUDA is not available (the run on a lent GPU machine)",
+    )
     args = ap.parse_args()
     total = float(os.environ.get("GPU_CHECK_TIMEOUT_S") or 300)
     _deadline[0] = time.monotonic() + total - 15  # room to print the result line before gpu_check.sh's timeout
@@ -326,21 +420,33 @@ def main() -> int:
         return 2
     cuda = torch.cuda.is_available()
     if args.require_cuda and not cuda:
-        print(f"error: --require-cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda="
-              f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-              f"nothing was checked")
+        print(
+            f"error: --require-cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda="
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"nothing was checked"
+        )
         return 3
-    print(f"gpu_check: torch {torch.__version__}, CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}"
-          f"{', tiny shapes' if args.tiny else ''}; {megatron_source()}", flush=True)
+    print(
+        f"gpu_check: torch {torch.__version__}, CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available'}"
+        f"{', tiny shapes' if args.tiny else ''}; {megatron_source()}",
+        flush=True,
+    )
     if not cuda and not args.tiny:
         for name, budget, what in CHECKS:
             print(f"  skip {name} (budget {budget} s): {what}")
-        print("skipped: no CUDA device here; run `bash scripts/gpu_check.sh --require-cuda` on a GPU machine "
-              "(README, GPU section)")
+        print(
+            "skipped: no CUDA device here; run `bash scripts/gpu_check.sh --require-cuda` on a GPU machine "
+            "(README, GPU section)"
+        )
         print("result: gpu_check=skipped checks=0/" + str(len(CHECKS)))
         return 0
-    fns = {"parity": check_parity, "grpo_step": check_grpo_step, "fused": check_fused, "sync_7b": check_sync_7b,
-           "cuda_ipc": check_cuda_ipc}
+    fns = {
+        "parity": check_parity,
+        "grpo_step": check_grpo_step,
+        "fused": check_fused,
+        "sync_7b": check_sync_7b,
+        "cuda_ipc": check_cuda_ipc,
+    }
     result, passed = {}, 0
     with tempfile.TemporaryDirectory(prefix="mgrpo-gpu-check-") as root:
         for name, budget, _ in CHECKS:
@@ -361,8 +467,11 @@ def main() -> int:
             passed += ok
             result.update(out)
             late = f" OVER BUDGET ({budget} s)" if secs > budget else ""
-            print(f"check {name}: {'PASS' if ok else 'FAIL'} {' '.join(f'{k}={v}' for k, v in out.items())} "
-                  f"({secs:.1f} s{late})", flush=True)
+            print(
+                f"check {name}: {'PASS' if ok else 'FAIL'} {' '.join(f'{k}={v}' for k, v in out.items())} "
+                f"({secs:.1f} s{late})",
+                flush=True,
+            )
     print("result: " + " ".join(f"{k}={v}" for k, v in result.items()) + f" checks={passed}/{len(names)}")
     return 0 if passed == len(names) else 1
 

@@ -3,6 +3,7 @@ line; a dry rehearsal of the lent GPU machine runs every check's code at tiny sh
 the copy `scripts/gpu_deps.sh` makes and with what that machine lacks (datasets, vllm, matplotlib, tensorboard,
 math_verify, peft) blocked from import; the bf16 judgement and the child-process reporting each have a negative
 control; on a CUDA machine the real script runs (marked gpu)."""
+
 import os
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+ENV = {
+    k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+}
 CHECK_ORDER = ["cuda_ipc", "fused", "parity", "grpo_step", "sync_7b"]
 ABSENT_ON_GPU_MACHINE = ("datasets", "vllm", "matplotlib", "tensorboard", "math_verify", "peft")
 # The packages are made absent, not broken: the path finder does not find them, so `import x` fails as on a machine

@@ -6,6 +6,7 @@ reinforce_plus_plus: (r - mean_g) / (std_batch(r - mean_g) + 1e-4) by default (b
 Invalid (NaN / inf) rewards: advantage 0, excluded from every statistic; groups with < 2 valid members: 0.
 Outputs are float32 by contract, so values are compared at float32 precision.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,11 @@ def reference(name, rewards, gids, scale):
     if scale == "group":
         adv = [a / (_std(members.get(g, [])) + STD_EPS) if a != 0.0 else 0.0 for a, g in zip(adv, gids)]
     elif scale == "batch":
-        basis = [a for a, v in zip(adv, ok) if v] if name == "reinforce_plus_plus" else \
-            [r for r, v in zip(rewards, ok) if v]
+        basis = (
+            [a for a, v in zip(adv, ok) if v]
+            if name == "reinforce_plus_plus"
+            else [r for r, v in zip(rewards, ok) if v]
+        )
         sd = _std(basis)
         adv = [a / (sd + STD_EPS) for a in adv]
     return torch.tensor(adv, dtype=torch.float64)
@@ -69,8 +73,9 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(name, scale, case):
     rewards, gids = CASES[case]
-    out = advantages(name)(torch.tensor(rewards, dtype=torch.float64), torch.tensor(gids),
-                           types.SimpleNamespace(scale_rewards=scale))
+    out = advantages(name)(
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(gids), types.SimpleNamespace(scale_rewards=scale)
+    )
     exp = reference(name, rewards, gids, scale)
     assert out.dtype == torch.float32 and out.shape == (len(rewards),)
     assert torch.isfinite(out).all()

@@ -1,12 +1,13 @@
 """Aggregation is exact: the same gradient whether the global batch runs as 1x8, 2x4 or 8x1 micro-batches
 (unequal response lengths), for every policy loss x aggregation and every ms-swift preset; ms-swift's
 per-micro-batch mean is not (the negative control)."""
+
 import itertools
 
 import pytest
 import torch
-
 from layout_launch import make_samples
+
 from mgrpo.config import load_config
 from mgrpo.data.microbatch import make_microbatches
 from mgrpo.loss.aggregation import per_microbatch_mean_weights, token_weights
@@ -58,16 +59,23 @@ def test_split_invariance(setup, loss, agg):
     for size in (4, 1):
         loss, g = res[size]
         # fp32: the loss to 1e-6 relative (seq-mean-token-sum sums tokens, so its loss is ~10 here)
-        assert abs(loss - ref_loss) <= TOL * max(1.0, abs(ref_loss)) and (g - ref_grad).abs().max() <= TOL, \
+        assert abs(loss - ref_loss) <= TOL * max(1.0, abs(ref_loss)) and (g - ref_grad).abs().max() <= TOL, (
             f"{loss}/{agg}: {8 // size}x{size} differs by {(g - ref_grad).abs().max():.2e}"
+        )
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_split_invariant_and_match_reference(setup, preset):
     cfg, actor, samples = setup
     alg = apply_preset(cfg.algorithm, preset)
-    res = run(setup, lambda s, _: token_weights(s, alg.aggregation, 32), policy_loss=alg.policy_loss,
-              aggregation=alg.aggregation, epsilon_low=alg.epsilon_low, epsilon_high=alg.epsilon_high)
+    res = run(
+        setup,
+        lambda s, _: token_weights(s, alg.aggregation, 32),
+        policy_loss=alg.policy_loss,
+        aggregation=alg.aggregation,
+        epsilon_low=alg.epsilon_low,
+        epsilon_high=alg.epsilon_high,
+    )
     for size in (4, 1):
         assert (res[size][1] - res[8][1]).abs().max() <= TOL
     # the distributed weights give the same loss as the single-batch definition of the aggregation

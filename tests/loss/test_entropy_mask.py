@@ -2,6 +2,7 @@
 threshold, a float64 count for the kept share, TRL's order for the loss (the policy term times the mask, the KL term
 untouched). DP2 = DP1 and CP2 = CP1 at the trainer's level are in the layout matrix (tests/parallel/test_layouts.py,
 `-topent` tags, with the per-rank quantile as the negative control)."""
+
 import types
 
 import pytest
@@ -56,8 +57,9 @@ def test_masked_tokens_lose_their_policy_term_only():
     mask = torch.ones(3, 5, dtype=torch.float64)
     adv = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 5)
     keep = (torch.rand(3, 5, generator=g) > 0.5).double()
-    cfg = types.SimpleNamespace(epsilon_low=0.2, epsilon_high=0.2, clip_ratio_c=None, kl_coef=0.1,
-                                kl_estimator="k3", kl_in_reward=False)
+    cfg = types.SimpleNamespace(
+        epsilon_low=0.2, epsilon_high=0.2, clip_ratio_c=None, kl_coef=0.1, kl_estimator="k3", kl_in_reward=False
+    )
     ours, _ = policy_loss("ppo_clip")(logp, old, adv * keep, mask, cfg, ref_logp=ref)
     r = torch.exp(logp - old)
     surrogate = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)
@@ -65,6 +67,6 @@ def test_masked_tokens_lose_their_policy_term_only():
     k3 = torch.exp(x) - x - 1
     trl = surrogate * keep + 0.1 * k3
     assert torch.allclose(ours, trl, atol=1e-12)
-    g1, = torch.autograd.grad(ours.sum(), logp, retain_graph=True)
-    g2, = torch.autograd.grad(trl.sum(), logp)
+    (g1,) = torch.autograd.grad(ours.sum(), logp, retain_graph=True)
+    (g2,) = torch.autograd.grad(trl.sum(), logp)
     assert torch.allclose(g1, g2, atol=1e-12)

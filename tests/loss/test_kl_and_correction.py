@@ -5,6 +5,7 @@ The docstring's gradient claims are checked exactly on a small categorical distr
 Rollout IS: rho = exp(clamp(old - rollout, +-20)); sequence ratio = geometric mean over the row's masked tokens
 (seq_geomean_*, ms-swift's sequence_*) or their product exp(clamp(sum log rho, +-20)) (seq_product_*, verl's sequence).
 """
+
 from __future__ import annotations
 
 import math
@@ -168,8 +169,14 @@ def _batch(seed=0, spread=1.0):
     return old, roll, roll_pad, mask
 
 
-MODES = ["token_truncate", "token_mask", "seq_geomean_truncate", "seq_geomean_mask", "seq_product_truncate",
-         "seq_product_mask"]
+MODES = [
+    "token_truncate",
+    "token_mask",
+    "seq_geomean_truncate",
+    "seq_geomean_mask",
+    "seq_product_truncate",
+    "seq_product_mask",
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -201,8 +208,12 @@ def test_sequence_ratio_is_geometric_mean_and_aliases():
     assert torch.allclose(w, torch.tensor([[2.0, 2.0, 0, 0]], dtype=DT))  # geo mean 3 -> 2, not 9
     w2, _ = rollout_is_weights(old, roll, mask, "sequence_mask", threshold=4.0)
     assert torch.allclose(w2, torch.tensor([[3.0, 3.0, 0, 0]], dtype=DT))  # kept: token ratios
-    for alias, mode in [("tis", "token_truncate"), ("mis", "token_mask"), ("seq_tis", "sequence_truncate"),
-                        ("seq_mis", "sequence_mask")]:
+    for alias, mode in [
+        ("tis", "token_truncate"),
+        ("mis", "token_mask"),
+        ("seq_tis", "sequence_truncate"),
+        ("seq_mis", "sequence_mask"),
+    ]:
         a, _ = rollout_is_weights(old, roll, mask, alias)
         b, _ = rollout_is_weights(old, roll, mask, mode)
         assert torch.equal(a, b)
@@ -217,8 +228,9 @@ def test_rollout_seq_sum_hook(mode):
     old, roll, _, mask = _batch(seed=2, spread=0.5)
     base, _ = rollout_is_weights(old, roll, mask, mode, threshold=1.2)
     calls = []
-    split, _ = rollout_is_weights(old, roll, mask, mode, threshold=1.2,
-                                  seq_sum=lambda x: calls.append(1) or x[:, :3].sum(-1) + x[:, 3:].sum(-1))
+    split, _ = rollout_is_weights(
+        old, roll, mask, mode, threshold=1.2, seq_sum=lambda x: calls.append(1) or x[:, :3].sum(-1) + x[:, 3:].sum(-1)
+    )
     assert len(calls) == 2 and torch.allclose(split, base, atol=TOL)
     wrong, _ = rollout_is_weights(old, roll, mask, mode, threshold=1.2, seq_sum=lambda x: x[:, :3].sum(-1))
     assert not torch.allclose(wrong, base)
@@ -227,15 +239,28 @@ def test_rollout_seq_sum_hook(mode):
     partials = []
     for s in cols:
         rec = []
-        rollout_is_weights(old[:, s], roll[:, s], mask[:, s], mode, threshold=1.2,
-                           seq_sum=lambda x, rec=rec: rec.append(x.sum(-1)) or rec[-1])
+        rollout_is_weights(
+            old[:, s],
+            roll[:, s],
+            mask[:, s],
+            mode,
+            threshold=1.2,
+            seq_sum=lambda x, rec=rec: rec.append(x.sum(-1)) or rec[-1],
+        )
         partials.append(rec)
     parts = []
     for k, s in enumerate(cols):
         it = iter(range(100))
-        parts.append(rollout_is_weights(
-            old[:, s], roll[:, s], mask[:, s], mode, threshold=1.2,
-            seq_sum=lambda x, k=k, it=it: (lambda i: x.sum(-1) + partials[1 - k][i])(next(it)))[0])
+        parts.append(
+            rollout_is_weights(
+                old[:, s],
+                roll[:, s],
+                mask[:, s],
+                mode,
+                threshold=1.2,
+                seq_sum=lambda x, k=k, it=it: (lambda i: x.sum(-1) + partials[1 - k][i])(next(it)),
+            )[0]
+        )
     assert torch.allclose(torch.cat(parts, 1), base, atol=TOL)
 
 
@@ -278,11 +303,13 @@ def test_sequence_product_is_the_likelihood_ratio_and_geomean_is_not():
     keep, _ = rollout_is_weights(old, roll, mask, "seq_product_mask", threshold=8.0)
     assert (keep == 0).all(), "the product 9 is above 8: the sequence is dropped (the geometric mean 3 would stay)"
     for swift_name, ours in [("sequence_truncate", "seq_geomean_truncate"), ("sequence_mask", "seq_geomean_mask")]:
-        assert torch.equal(rollout_is_weights(old, roll, mask, swift_name)[0],
-                           rollout_is_weights(old, roll, mask, ours)[0])
+        assert torch.equal(
+            rollout_is_weights(old, roll, mask, swift_name)[0], rollout_is_weights(old, roll, mask, ours)[0]
+        )
     long_old = torch.zeros(1, 50, dtype=DT)  # 50 tokens of ratio e: the product is clamped at e^20
-    w, _ = rollout_is_weights(long_old, long_old - 1.0, torch.ones(1, 50, dtype=DT), "seq_product_truncate",
-                              threshold=1e12)
+    w, _ = rollout_is_weights(
+        long_old, long_old - 1.0, torch.ones(1, 50, dtype=DT), "seq_product_truncate", threshold=1e12
+    )
     assert torch.allclose(w, torch.full((1, 50), math.exp(20.0), dtype=DT))
 
 
@@ -304,7 +331,8 @@ def test_samples_without_rollout_logprobs_are_left_out(mode):
     # negative control: the zeros read as logprobs give exp(old - 0) < 1 ratios and other metrics
     w_bad, m_bad = rollout_is_weights(old, roll, mask, mode, threshold=1.5)
     assert not torch.equal(w_bad[1], mask[1]) or float(m_bad["rollout_logp_abs_diff"]) != pytest.approx(
-        float(m_ref["rollout_logp_abs_diff"]))
+        float(m_ref["rollout_logp_abs_diff"])
+    )
     assert float(m_bad["rollout_logp_abs_diff"]) != pytest.approx(float(m_ref["rollout_logp_abs_diff"]))
 
 

@@ -14,6 +14,7 @@ TP2 / TP4 run on gloo process groups, one ``torch.multiprocessing.spawn`` launch
 world size; the TP2 launch also runs the world-of-one case through real (size 1) gloo
 subgroups. Workers write per-check results to JSON files and the pytest process asserts.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,24 +65,24 @@ def reference(full, targets, temperature, vocab_size, w1, w2):
     ent = -(lp_all.exp() * lp_all).sum(-1)
     ent = torch.where(ok, ent, torch.zeros_like(ent))
     w1, w2 = w1.double(), w2.double()
-    g1, = torch.autograd.grad((w1 * lp).sum(), x, retain_graph=True)
-    g2, = torch.autograd.grad((w2 * ent).sum(), x, retain_graph=True)
-    g12, = torch.autograd.grad((w1 * lp + w2 * ent).sum(), x)
+    (g1,) = torch.autograd.grad((w1 * lp).sum(), x, retain_graph=True)
+    (g2,) = torch.autograd.grad((w2 * ent).sum(), x, retain_graph=True)
+    (g12,) = torch.autograd.grad((w1 * lp + w2 * ent).sum(), x)
     return lp.detach(), ent.detach(), g1, g2, g12
 
 
 def fused(shard, targets, group, temperature, chunk, vocab_size, w1, w2, entropy=True):
     x = shard.detach().clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs(x, targets, group, temperature=temperature,
-                                      compute_entropy=entropy, chunk_size=chunk,
-                                      vocab_size=vocab_size)
+    lp, ent = vocab_parallel_logprobs(
+        x, targets, group, temperature=temperature, compute_entropy=entropy, chunk_size=chunk, vocab_size=vocab_size
+    )
     if not entropy:
         assert ent is None
-        g1, = torch.autograd.grad((w1 * lp).sum(), x)
+        (g1,) = torch.autograd.grad((w1 * lp).sum(), x)
         return lp.detach(), g1
-    g1, = torch.autograd.grad((w1 * lp).sum(), x, retain_graph=True)
-    g2, = torch.autograd.grad((w2 * ent).sum(), x, retain_graph=True)
-    g12, = torch.autograd.grad((w1 * lp + w2 * ent).sum(), x)
+    (g1,) = torch.autograd.grad((w1 * lp).sum(), x, retain_graph=True)
+    (g2,) = torch.autograd.grad((w2 * ent).sum(), x, retain_graph=True)
+    (g12,) = torch.autograd.grad((w1 * lp + w2 * ent).sum(), x)
     return lp.detach(), ent.detach(), g1, g2, g12
 
 
@@ -101,8 +102,9 @@ def make_case(seed, shape, padded, vocab_size, dtype, pad_value=20.0):
     return full, targets, w1, w2
 
 
-def run_cases(group, tag, vocab_configs, dtypes=(torch.float32, torch.bfloat16),
-              temperatures=(1.0, 0.7), chunks=(7, None)):
+def run_cases(
+    group, tag, vocab_configs, dtypes=(torch.float32, torch.bfloat16), temperatures=(1.0, 0.7), chunks=(7, None)
+):
     """All cases for one process group; returns a list of result dicts (never raises)."""
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
@@ -115,44 +117,55 @@ def run_cases(group, tag, vocab_configs, dtypes=(torch.float32, torch.bfloat16),
             for temp in temperatures:
                 for chunk in chunks:
                     seed += 1
-                    case = (f"{tag} rank{rank} V={vocab_size}/{padded} {str(dtype)[6:]} "
-                            f"T={temp} chunk={chunk}")
+                    case = f"{tag} rank{rank} V={vocab_size}/{padded} {str(dtype)[6:]} T={temp} chunk={chunk}"
                     try:
                         full, targets, w1, w2 = make_case(seed, (3, 5), padded, vocab_size, dtype)
-                        shard = full[..., rank * v_local:(rank + 1) * v_local]
+                        shard = full[..., rank * v_local : (rank + 1) * v_local]
                         ref = reference(full, targets, temp, vocab_size, w1, w2)
                         sl = slice(rank * v_local, (rank + 1) * v_local)
                         ref = ref[:2] + tuple(g[..., sl] for g in ref[2:])
                         out = fused(shard, targets, group, temp, chunk, vocab_size, w1, w2)
-                        names = ("logprob", "entropy", "grad_w1_logprob", "grad_w2_entropy",
-                                 "grad_both")
+                        names = ("logprob", "entropy", "grad_w1_logprob", "grad_w2_entropy", "grad_both")
                         for name, a, b in zip(names, out, ref):
                             ex = excess(a, b, atol, rtol)
                             results.append(dict(case=case, check=name, excess=ex, ok=ex <= 0))
                         assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
                         assert out[2].dtype == dtype
                         # logprob-only path agrees with the entropy path
-                        lp_only, g_only = fused(shard, targets, group, temp, chunk, vocab_size,
-                                                w1, w2, entropy=False)
-                        for name, a, b in (("logprob_only", lp_only, ref[0]),
-                                           ("grad_logprob_only", g_only, ref[2])):
+                        lp_only, g_only = fused(shard, targets, group, temp, chunk, vocab_size, w1, w2, entropy=False)
+                        for name, a, b in (("logprob_only", lp_only, ref[0]), ("grad_logprob_only", g_only, ref[2])):
                             ex = excess(a, b, atol, rtol)
                             results.append(dict(case=case, check=name, excess=ex, ok=ex <= 0))
                         ign = targets == IGN
-                        zero_ok = bool((out[0][ign] == 0).all() and (out[1][ign] == 0).all()
-                                       and (out[4][ign] == 0).all() and (out[0] <= 0).all())
-                        results.append(dict(case=case, check="ignore_zero_and_nonpositive",
-                                            excess=0.0 if zero_ok else 1.0, ok=zero_ok))
+                        zero_ok = bool(
+                            (out[0][ign] == 0).all()
+                            and (out[1][ign] == 0).all()
+                            and (out[4][ign] == 0).all()
+                            and (out[0] <= 0).all()
+                        )
+                        results.append(
+                            dict(
+                                case=case,
+                                check="ignore_zero_and_nonpositive",
+                                excess=0.0 if zero_ok else 1.0,
+                                ok=zero_ok,
+                            )
+                        )
                     except Exception:  # noqa: BLE001 - reported by the pytest process
-                        results.append(dict(case=case, check="exception", excess=float("inf"),
-                                            ok=False, msg=traceback.format_exc()))
+                        results.append(
+                            dict(
+                                case=case, check="exception", excess=float("inf"), ok=False, msg=traceback.format_exc()
+                            )
+                        )
     return results
 
 
 def assert_results(results, min_checks):
     bad = [r for r in results if not r["ok"]]
-    msg = "\n".join(f"{r['case']}: {r['check']} exceeds tolerance by {r['excess']:.3g}"
-                    + (f"\n{r['msg']}" if "msg" in r else "") for r in bad[:20])
+    msg = "\n".join(
+        f"{r['case']}: {r['check']} exceeds tolerance by {r['excess']:.3g}" + (f"\n{r['msg']}" if "msg" in r else "")
+        for r in bad[:20]
+    )
     assert not bad, f"{len(bad)}/{len(results)} checks failed:\n{msg}"
     assert len(results) >= min_checks, f"only {len(results)} checks ran"
 
@@ -163,26 +176,32 @@ def _free_port():
         return s.getsockname()[1]
 
 
-VOCABS = {2: [(256, 256), (256, 250)],
-          4: [(256, 256), (256, 250), (256, 190)]}  # 190: rank 3 holds only padding
+VOCABS = {2: [(256, 256), (256, 250)], 4: [(256, 256), (256, 250), (256, 190)]}  # 190: rank 3 holds only padding
 
 
 def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     results = []
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         results += run_cases(dist.group.WORLD, f"tp{world}", VOCABS[world])
         if world == 2:  # world-of-one through a real gloo group
             subs = [dist.new_group([r]) for r in range(world)]
-            results += run_cases(subs[rank], "tp1-gloo", [(256, 250)],
-                                 dtypes=(torch.float32,), temperatures=(0.7,))
+            results += run_cases(subs[rank], "tp1-gloo", [(256, 250)], dtypes=(torch.float32,), temperatures=(0.7,))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
-        results.append(dict(case=f"tp{world} rank{rank}", check="worker crashed",
-                            excess=float("inf"), ok=False, msg=traceback.format_exc()))
+        results.append(
+            dict(
+                case=f"tp{world} rank{rank}",
+                check="worker crashed",
+                excess=float("inf"),
+                ok=False,
+                msg=traceback.format_exc(),
+            )
+        )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -232,12 +251,14 @@ def test_large_logits_finite_and_nonpositive():
 
 def test_default_chunk_size():
     from mgrpo.loss.logprobs import default_chunk_size
+
     assert default_chunk_size(152064) == 27 and default_chunk_size(76032) == 55
     assert default_chunk_size(1 << 23) == 1 and default_chunk_size(256) == 1 << 14
 
 
 def test_chunk_size_invariance(monkeypatch):
     import mgrpo.loss.logprobs as mod
+
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 16, 300, generator=g) * 4
     t = torch.randint(0, 290, (4, 16), generator=g)
@@ -261,8 +282,9 @@ def test_ignore_index_exact_zero():
         t = torch.randint(0, 40, (10,), generator=g)
         t[[1, 4, 7]] = ignore
         xx = x.clone().requires_grad_()
-        lp, ent = vocab_parallel_logprobs(xx, t, None, temperature=0.9, compute_entropy=True,
-                                          chunk_size=3, ignore_index=ignore)
+        lp, ent = vocab_parallel_logprobs(
+            xx, t, None, temperature=0.9, compute_entropy=True, chunk_size=3, ignore_index=ignore
+        )
         assert (lp[[1, 4, 7]] == 0).all() and (ent[[1, 4, 7]] == 0).all()
         assert (lp[[0, 2, 3]] < 0).all() and (ent[[0, 2, 3]] > 0).all()
         (torch.randn(10, generator=g) * lp + torch.randn(10, generator=g) * ent).sum().backward()
@@ -295,8 +317,7 @@ def test_input_not_modified(dtype):
     x = (torch.randn(2, 9, 64) * 5).to(dtype).requires_grad_()
     before = x.detach().clone()
     t = torch.randint(0, 60, (2, 9))
-    lp, ent = vocab_parallel_logprobs(x, t, None, temperature=0.7, compute_entropy=True,
-                                      chunk_size=4, vocab_size=60)
+    lp, ent = vocab_parallel_logprobs(x, t, None, temperature=0.7, compute_entropy=True, chunk_size=4, vocab_size=60)
     assert torch.equal(x.detach(), before)
     (lp.sum() - 0.1 * ent.sum()).backward()
     assert torch.equal(x.detach(), before)
@@ -311,12 +332,10 @@ def test_gradcheck_float64():
     t[3] = IGN
 
     def both(inp):
-        return vocab_parallel_logprobs(inp, t, None, temperature=0.7, compute_entropy=True,
-                                       chunk_size=3, vocab_size=10)
+        return vocab_parallel_logprobs(inp, t, None, temperature=0.7, compute_entropy=True, chunk_size=3, vocab_size=10)
 
     def lp_only(inp):
-        return vocab_parallel_logprobs(inp, t, None, temperature=1.3, chunk_size=2,
-                                       vocab_size=10)[0]
+        return vocab_parallel_logprobs(inp, t, None, temperature=1.3, chunk_size=2, vocab_size=10)[0]
 
     assert torch.autograd.gradcheck(both, (x,))
     assert torch.autograd.gradcheck(lp_only, (x,))

@@ -3,6 +3,7 @@
 The references loop over rows and tokens with scalar autograd ops (no code shared with mgrpo.loss.policy); values
 are compared per token and gradients of ``sum(W * per_token_loss)`` (random W) w.r.t. ``logp``, both at 1e-10.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,15 @@ DT = torch.float64
 
 
 def cfg_of(**kw):
-    base = dict(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0, clip_ratio_c=3.0, kl_in_reward=False,
-                kl_estimator="k3", scale_rewards="group")
+    base = dict(
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        kl_coef=0.0,
+        clip_ratio_c=3.0,
+        kl_in_reward=False,
+        kl_estimator="k3",
+        scale_rewards="group",
+    )
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -132,8 +140,10 @@ def ref_loss(name, logp, old, adv, mask, cfg, ref=None, w=None):
 def check(actual, expected, logp, W):
     assert torch.isfinite(actual).all()
     assert torch.allclose(actual, expected, atol=TOL, rtol=TOL), (actual - expected).abs().max()
-    ga, ge = (torch.autograd.grad((W * x).sum(), logp, retain_graph=True, allow_unused=True)[0]
-              if x.requires_grad else None for x in (actual, expected))
+    ga, ge = (
+        torch.autograd.grad((W * x).sum(), logp, retain_graph=True, allow_unused=True)[0] if x.requires_grad else None
+        for x in (actual, expected)
+    )
     ga, ge = (torch.zeros_like(logp) if g is None else g for g in (ga, ge))
     assert torch.isfinite(ga).all()
     assert torch.allclose(ga, ge, atol=TOL, rtol=TOL), (ga - ge).abs().max()
@@ -158,8 +168,9 @@ def _cfg_for(name, **kw):
 @pytest.mark.parametrize("spread", [0.05, 2.5])
 @pytest.mark.parametrize("per_token_adv", [True, False])
 def test_loss_matches_reference(name, spread, per_token_adv):
-    logp, old, ref, adv, mask, W = make_batch(seed=int(spread * 10) + len(name), spread=spread,
-                                              per_token_adv=per_token_adv)
+    logp, old, ref, adv, mask, W = make_batch(
+        seed=int(spread * 10) + len(name), spread=spread, per_token_adv=per_token_adv
+    )
     cfg = _cfg_for(name)
     out, metrics = policy_loss(name)(logp, old, adv, mask, cfg)
     ga = check(out, ref_loss(name, logp, old, adv, mask, cfg), logp, W)
@@ -256,8 +267,14 @@ def test_padding_garbage_and_empty_rows(name):
     assert torch.isfinite(out).all() and torch.isfinite(g).all()
     assert (out[mask == 0] == 0).all() and (g[mask == 0] == 0).all()
     assert all(torch.isfinite(v) for v in m.values())
-    clean, _ = policy_loss(name)(logp0, torch.where(mask > 0, old, 0), torch.where(mask > 0, adv, 0), mask, cfg,
-                                 ref_logp=torch.where(mask > 0, ref, 0))
+    clean, _ = policy_loss(name)(
+        logp0,
+        torch.where(mask > 0, old, 0),
+        torch.where(mask > 0, adv, 0),
+        mask,
+        cfg,
+        ref_logp=torch.where(mask > 0, ref, 0),
+    )
     assert torch.allclose(out, clean, atol=TOL, rtol=TOL)
     empty = torch.zeros_like(mask)
     out_e, m_e = policy_loss(name)(logp0, old, adv, empty, cfg, ref_logp=ref)
@@ -348,8 +365,9 @@ def test_cispo_keeps_gradient_beyond_the_cap():
 def _swift_reference(preset_name, logp, old, rewards, gids, mask, max_len):
     """ms-swift's loss for loss_type=preset_name on one batch, written from the walkthrough (float64 loops)."""
     # advantages (scale_rewards per the preset) -----------------------------------------------------------
-    scale = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group", "cispo": "group",
-             "sapo": "group"}[preset_name]
+    scale = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group", "cispo": "group", "sapo": "group"}[
+        preset_name
+    ]
     groups = {}
     for i, g in enumerate(gids.tolist()):
         groups.setdefault(g, []).append(float(rewards[i]))
@@ -405,8 +423,8 @@ def test_presets_match_ms_swift_formulas(preset_name):
     theirs = _swift_reference(preset_name, logp, old, rewards, gids, mask, max_len=8)
     # advantages come back in float32 by contract: values agree to float32 rounding of A
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6, abs=1e-7)
-    g1, = torch.autograd.grad(ours, logp)
-    g2, = torch.autograd.grad(theirs, logp)
+    (g1,) = torch.autograd.grad(ours, logp)
+    (g2,) = torch.autograd.grad(theirs, logp)
     assert torch.allclose(g1, g2, rtol=1e-6, atol=1e-7)
 
 
@@ -418,8 +436,10 @@ def test_preset_table_and_unknown():
     assert all(p.policy_loss in DEFAULT_EPSILONS for p in PRESETS.values())
     with pytest.raises(KeyError, match="known"):
         resolve_preset("nope")
-    ns = apply_preset(types.SimpleNamespace(policy_loss="x", aggregation="y", scale_rewards="z",
-                                            epsilon_low=0.1, epsilon_high=0.1), "dr_grpo")
+    ns = apply_preset(
+        types.SimpleNamespace(policy_loss="x", aggregation="y", scale_rewards="z", epsilon_low=0.1, epsilon_high=0.1),
+        "dr_grpo",
+    )
     assert (ns.epsilon_low, ns.epsilon_high, ns.aggregation) == (0.1, 0.1, "seq-mean-token-sum-norm")
 
 
@@ -470,8 +490,10 @@ def test_seq_mean_token_sum_is_verls_definition():
     rows = [sum(float(out[b, t]) for t in range(out.shape[1]) if mask[b, t]) for b in range(out.shape[0])]
     expect = sum(rows) / len(rows)
     assert float(aggregate_reference(out, mask, "seq-mean-token-sum")) == pytest.approx(expect, abs=1e-12)
-    samples = [Sample(prompt_ids=[0], response_ids=[0] * int(mask.shape[1]), loss_mask=mask[b].int().tolist())
-               for b in range(mask.shape[0])]
+    samples = [
+        Sample(prompt_ids=[0], response_ids=[0] * int(mask.shape[1]), loss_mask=mask[b].int().tolist())
+        for b in range(mask.shape[0])
+    ]
     w = torch.tensor(token_weights(samples, "seq-mean-token-sum"), dtype=DT)
     assert float((w * out).sum()) == pytest.approx(expect, abs=1e-12)
     assert float(aggregate_reference(out, mask, "seq-mean-token-mean")) != pytest.approx(expect)

@@ -1,15 +1,27 @@
 """The GPU branch of the model build, taken on CPU: with `use_cpu_initialization=False` megatron builds on
 `torch.cuda.current_device()` and never moves the model, so every parameter and buffer of every family must
 come out on the run's device. `meta` stands in for CUDA (the run's device and what current_device answers)."""
+
 import pytest
 import torch
 
 from mgrpo.parallel import device as dev
 
-FAMILIES = {"qwen2": {}, "qwen3": {}, "llama": {"attention_bias": True, "mlp_bias": True,
-                                                "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                 "original_max_position_embeddings": 512}}}
+FAMILIES = {
+    "qwen2": {},
+    "qwen3": {},
+    "llama": {
+        "attention_bias": True,
+        "mlp_bias": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    },
+}
 
 
 @pytest.fixture
@@ -25,8 +37,12 @@ def meta_as_cuda(single_rank, monkeypatch):
 
 
 def placements(chunks) -> dict:
-    return {f"{i}.{name}": t.device.type for i, c in enumerate(chunks)
-            for named in (c.named_parameters(), c.named_buffers()) for name, t in named}
+    return {
+        f"{i}.{name}": t.device.type
+        for i, c in enumerate(chunks)
+        for named in (c.named_parameters(), c.named_buffers())
+        for name, t in named
+    }
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,12 +1,19 @@
 """read_model_info follows what each family's HF modeling file builds, and refuses what the builder cannot."""
+
 import json
 
 import pytest
 
 from mgrpo.models.hf_config import ModelConfigError, read_model_info
 
-BASE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+BASE = dict(
+    vocab_size=300,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
@@ -16,20 +23,23 @@ def _info(tmp_path, family, **fields):
     return info.attention_bias, info.o_proj_bias, info.mlp_bias
 
 
-@pytest.mark.parametrize("family, fields, expect", [
-    # Qwen2Attention: q/k/v bias=True and o_proj bias=False, hard-coded; attention_bias is ignored
-    ("qwen2", {}, (True, False, False)),
-    ("qwen2", {"attention_bias": None}, (True, False, False)),
-    ("qwen2", {"attention_bias": False}, (True, False, False)),
-    ("qwen2", {"mlp_bias": True}, (True, False, False)),
-    # Qwen3 / Llama: attention_bias on q, k, v and o_proj; only Llama reads mlp_bias
-    ("qwen3", {}, (False, False, False)),
-    ("qwen3", {"attention_bias": True}, (True, True, False)),
-    ("qwen3", {"mlp_bias": True}, (False, False, False)),
-    ("llama", {"attention_bias": None}, (False, False, False)),
-    ("llama", {"attention_bias": True}, (True, True, False)),
-    ("llama", {"mlp_bias": True}, (False, False, True)),
-])
+@pytest.mark.parametrize(
+    "family, fields, expect",
+    [
+        # Qwen2Attention: q/k/v bias=True and o_proj bias=False, hard-coded; attention_bias is ignored
+        ("qwen2", {}, (True, False, False)),
+        ("qwen2", {"attention_bias": None}, (True, False, False)),
+        ("qwen2", {"attention_bias": False}, (True, False, False)),
+        ("qwen2", {"mlp_bias": True}, (True, False, False)),
+        # Qwen3 / Llama: attention_bias on q, k, v and o_proj; only Llama reads mlp_bias
+        ("qwen3", {}, (False, False, False)),
+        ("qwen3", {"attention_bias": True}, (True, True, False)),
+        ("qwen3", {"mlp_bias": True}, (False, False, False)),
+        ("llama", {"attention_bias": None}, (False, False, False)),
+        ("llama", {"attention_bias": True}, (True, True, False)),
+        ("llama", {"mlp_bias": True}, (False, False, True)),
+    ],
+)
 def test_bias_rules_follow_hf_modeling(tmp_path, family, fields, expect):
     assert _info(tmp_path, family, **fields) == expect
 

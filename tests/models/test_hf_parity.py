@@ -1,4 +1,5 @@
 """Megatron TP1 logits equal HF transformers' logits (fp32) for every supported family."""
+
 import pytest
 import torch
 
@@ -9,8 +10,13 @@ from mgrpo.resharding.load import load_hf
 ABS, REL = 1e-5, 1e-4
 REL_FLOOR = 1e-2  # rel = |ours - ref| / max(|ref|, 1e-2): near-zero logits only have fp32 noise in their ratio
 SEQ = 96
-LLAMA_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 6.0,
-                 "original_max_position_embeddings": 64}
+LLAMA_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 6.0,
+    "original_max_position_embeddings": 64,
+}
 
 CASES = {
     # name: (make_tiny_hf kwargs) ; vocab 300 is padded to 384 by megatron
@@ -121,8 +127,15 @@ def test_megatron_rope_scaling_differs_from_ours():
     from mgrpo.models.builder import llama3_inv_freq
     from mgrpo.models.hf_config import RopeSpec
 
-    spec = RopeSpec(theta=10000.0, kind="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=6.0,
-                    original_max_position_embeddings=64)
-    megatron = RotaryEmbedding(32, 1.0, rotary_base=10000, rope_scaling=True, rope_scaling_factor=8.0,
-                               use_cpu_initialization=True).inv_freq
+    spec = RopeSpec(
+        theta=10000.0,
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=2.0,
+        high_freq_factor=6.0,
+        original_max_position_embeddings=64,
+    )
+    megatron = RotaryEmbedding(
+        32, 1.0, rotary_base=10000, rope_scaling=True, rope_scaling_factor=8.0, use_cpu_initialization=True
+    ).inv_freq
     assert (llama3_inv_freq(spec, 32) - megatron).abs().max() > 1e-3

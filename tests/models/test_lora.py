@@ -1,24 +1,28 @@
 """LoRA at TP1 against HF + PEFT (fp32): the forward with the same adapters (every target subset the fused megatron
 linears must handle), the base with adapters off, the merged export against PEFT's merge_and_unload, PEFT names
 round trip, the trainable count against PEFT's, and the config's refusals."""
+
 import pytest
 import torch
 
 from mgrpo.config import LoraConfig, ParallelConfig
 from mgrpo.models.builder import build_model
 from mgrpo.models.forward import full_logits
-from mgrpo.models.lora import (adapters, adapters_disabled, apply_lora, load_peft_tensors, peft_tensors,
-                               trainable_count)
+from mgrpo.models.lora import adapters, adapters_disabled, apply_lora, load_peft_tensors, peft_tensors, trainable_count
 from mgrpo.resharding.export import export_hf
 from mgrpo.resharding.load import load_hf
 
 TOL = 1e-5
-SUBSETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           "qv": ["q_proj", "v_proj"], "k_up_down": ["k_proj", "up_proj", "down_proj"]}
+SUBSETS = {
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qv": ["q_proj", "v_proj"],
+    "k_up_down": ["k_proj", "up_proj", "down_proj"],
+}
 
 
 def _peft(model_dir, targets, seed=0):
-    from peft import LoraConfig as PeftConfig, get_peft_model
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -54,8 +58,10 @@ def test_forward_equals_hf_peft(single_rank, model_dir, subset):
     got = full_logits(chunks[0], ids)[..., :300]
     with adapters_disabled(chunks):
         base = full_logits(chunks[0], ids)[..., :300]
-    print(f"{subset}: max |d| {float((got - ref).abs().max()):.2e}, adapters move logits by "
-          f"{float((ref - base_ref).abs().max()):.2e}")
+    print(
+        f"{subset}: max |d| {float((got - ref).abs().max()):.2e}, adapters move logits by "
+        f"{float((ref - base_ref).abs().max()):.2e}"
+    )
     assert (got - ref).abs().max() <= TOL and (base - base_ref).abs().max() <= TOL
     assert (ref - base_ref).abs().max() > 1e-2, "the adapters must matter, or the test proves nothing"
     merged = {n: t.clone() for n, t in export_hf(chunks)}
@@ -99,14 +105,20 @@ def peft_tensors_of(peft):
     return ((k.replace(".default", ""), v.detach()) for k, v in peft.state_dict().items() if "lora_" in k)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model.lora.rank", "-1"], "model.lora.rank=-1 must be an integer >= 0"),
-    (["--model.lora.rank", "4", "--model.lora.alpha", "0"], "model.lora.alpha"),
-    (["--model.lora.rank", "4", "--model.lora.dropout", "1.5"], "model.lora.dropout"),
-    (["--model.lora.rank", "4", "--model.lora.target_modules", "[q_proj, qkv]"], "unknown module 'qkv'"),
-    (["--model.lora.rank", "4", "--rollout.lora_sync", "adapter"], "rollout.lora_sync=adapter with rollout.engine=hf"),
-    (["--rollout.lora_sync", "both"], "rollout.lora_sync='both'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model.lora.rank", "-1"], "model.lora.rank=-1 must be an integer >= 0"),
+        (["--model.lora.rank", "4", "--model.lora.alpha", "0"], "model.lora.alpha"),
+        (["--model.lora.rank", "4", "--model.lora.dropout", "1.5"], "model.lora.dropout"),
+        (["--model.lora.rank", "4", "--model.lora.target_modules", "[q_proj, qkv]"], "unknown module 'qkv'"),
+        (
+            ["--model.lora.rank", "4", "--rollout.lora_sync", "adapter"],
+            "rollout.lora_sync=adapter with rollout.engine=hf",
+        ),
+        (["--rollout.lora_sync", "both"], "rollout.lora_sync='both'"),
+    ],
+)
 def test_bad_lora_config_is_one_clear_line(argv, message):
     from mgrpo.config import ConfigError, load_config
 

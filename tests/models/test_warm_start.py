@@ -1,6 +1,7 @@
 """The addition warm start: validation problems are never trained on, the loss falls, the folder is replaced whole
 (with a marker), and the arithmetic example runs end to end (warm start, validation before training, the
 accuracy reward through the worker processes)."""
+
 import json
 import os
 import random
@@ -39,12 +40,29 @@ def test_warm_start_lowers_the_loss_and_replaces_the_folder(tiny_dirs, tmp_path)
 
 
 def test_arith_example_runs_end_to_end(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", "arith_cpu.yaml"), "--model.path", str(tmp_path / "model"),
-           "--model.tiny.warm_start.steps", "20", "--train.steps", "2", "--eval.interval", "2",
-           "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false"]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "arith_cpu.yaml"),
+        "--model.path",
+        str(tmp_path / "model"),
+        "--model.tiny.warm_start.steps",
+        "20",
+        "--train.steps",
+        "2",
+        "--eval.interval",
+        "2",
+        "--logging.output_dir",
+        str(tmp_path / "run"),
+        "--logging.progress_bar",
+        "false",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "warm start: 20 steps of addition SFT" in r.stdout and "validation before training" in r.stdout

@@ -1,4 +1,5 @@
 """torchrun worker: run several layouts in one launch (a launch costs 7-11 s here) and save results."""
+
 import argparse
 import os
 import sys
@@ -9,11 +10,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: layout_launch
 
+from layout_launch import LORA_ADAPTER, LORA_ARGS, lora_loader  # noqa: E402
+
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
 from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout, run_nan_step  # noqa: E402
 from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
-from layout_launch import LORA_ADAPTER, LORA_ARGS, lora_loader  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCHES = 8, 4
 
@@ -31,20 +33,28 @@ def layout_args(spec: str) -> list:
         elif part.startswith("loss_"):
             from mgrpo.loss.presets import PRESETS
 
-            name = part[len("loss_"):]
+            name = part[len("loss_") :]
             args += ["--algorithm.loss_type" if name in PRESETS else "--algorithm.policy_loss", name]
         elif part == "topent":  # the top-entropy token mask, 30% of the tokens
             args += ["--algorithm.top_entropy_quantile", "0.3"]
         elif part == "pack":
             args += ["--train.sequence_packing", "true"]
         elif part.startswith("budget"):
-            args += ["--train.max_tokens_per_microbatch", part[len("budget"):]]
-        elif part in ("wrongshard", "localseq", "nozigzag", "nogloo", "rankq", "swapexperts", "loraswap",
-                      "crossattn") or part.startswith("dp"):
+            args += ["--train.max_tokens_per_microbatch", part[len("budget") :]]
+        elif part in (
+            "wrongshard",
+            "localseq",
+            "nozigzag",
+            "nogloo",
+            "rankq",
+            "swapexperts",
+            "loraswap",
+            "crossattn",
+        ) or part.startswith("dp"):
             continue  # DP is what the world size leaves over
         else:
             name = part.rstrip("0123456789")
-            args += [f"--parallel.{name}", part[len(name):]]
+            args += [f"--parallel.{name}", part[len(name) :]]
     return args
 
 
@@ -104,6 +114,7 @@ def attention_across_samples(actor):
         def run(*args, **kwargs):
             with attend_within(None):
                 return forward(*args, **kwargs)
+
         return run
 
     for model in actor.models():
@@ -126,8 +137,21 @@ def main():
         mode, _, layout = spec.rpartition(":")
         flags = layout_args(layout)
         lora = LORA_ARGS if mode == "lora" else []
-        cfg = load_config(argv=["--model.path", args.model, "--data.path", args.samples,
-                                "--train.lr", "0.01", "--train.adam_eps", "0.001", *flags, *lora], check_files=False)
+        cfg = load_config(
+            argv=[
+                "--model.path",
+                args.model,
+                "--data.path",
+                args.samples,
+                "--train.lr",
+                "0.01",
+                "--train.adam_eps",
+                "0.001",
+                *flags,
+                *lora,
+            ],
+            check_files=False,
+        )
         world = dist.get_world_size()
         dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.train.micro_batch_size = max(1, GLOBAL_BATCH // dp // MICRO_BATCHES)
@@ -141,16 +165,29 @@ def main():
             ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
             run_init_export(cfg, args.model, args.out, spec.replace(":", "-"), ids)
         else:
-            corrupt = {"wrongshard": swap_proj_shards, "localseq": per_rank_seq_sum,
-                       "nozigzag": contiguous_cp_split, "swapexperts": swap_ep_experts,
-                       "crossattn": attention_across_samples}.get(spec.rpartition("-")[2])
+            corrupt = {
+                "wrongshard": swap_proj_shards,
+                "localseq": per_rank_seq_sum,
+                "nozigzag": contiguous_cp_split,
+                "swapexperts": swap_ep_experts,
+                "crossattn": attention_across_samples,
+            }.get(spec.rpartition("-")[2])
             if mode == "lora":
                 corrupt = lora_loader(os.path.join(args.out, LORA_ADAPTER), swap="loraswap" in layout.split("-"))
             save_to = os.path.join(args.out, "ckpt-" + spec) if mode == "ckpt" else None
             gloo = False if "nogloo" in layout.split("-") else None  # megatron's groups as under nccl
             tag = f"lora-{layout}" if mode == "lora" else layout
-            run_layout(cfg, args.model, samples, args.out, tag, corrupt=corrupt, save_to=save_to, gloo_groups=gloo,
-                       entropy_per_rank="rankq" in layout.split("-"))
+            run_layout(
+                cfg,
+                args.model,
+                samples,
+                args.out,
+                tag,
+                corrupt=corrupt,
+                save_to=save_to,
+                gloo_groups=gloo,
+                entropy_per_rank="rankq" in layout.split("-"),
+            )
         if dist.get_rank() == 0:
             print(f"layout {spec} done", flush=True)
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ One torchrun launch of 4 gloo processes runs, in turn, CP1 (DP4), CP4, CP2xDP2 (
 wrong) and TP2xCP2. Every rank compares against a single-process float64 reference computed from the same full
 tensors, and writes max abs differences to JSON; the tests below read them. This file is also the worker.
 """
+
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ S, B, H, G, D = 16, 2, 4, 2, 32  # seq, batch, heads, query groups (GQA), head d
 
 
 # ----------------------------------------------------------------------------------------------------------- in-process
+
 
 def test_zigzag_indices_layout():
     from mgrpo.parallel.context_parallel import cp_position_ids, split_for_cp, zigzag_indices
@@ -49,13 +51,22 @@ def test_single_rank_fallbacks():
 
 # ----------------------------------------------------------------------------------------------------- the launch
 
+
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     from mgrpo.parallel.distributed import free_port
 
     out = tmp_path_factory.mktemp("cp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-           f"--master-port={free_port()}", os.path.abspath(__file__), "--worker", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={WORLD}",
+        f"--master-port={free_port()}",
+        os.path.abspath(__file__),
+        "--worker",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -128,12 +139,13 @@ def test_gpt_model_with_cp_attention_matches_cp1(cp_results, tag):
 
 # ------------------------------------------------------------------------------------------------------- the worker
 
+
 def _reference(q, k, v):
     """Plain causal GQA attention, [S, B, H, D] x [S, B, G, D] -> [S, B, H*D]."""
     s, b, h, d = q.shape
     k = k.repeat_interleave(h // k.size(2), dim=2)
     v = v.repeat_interleave(h // v.size(2), dim=2)
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / d ** 0.5
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / d**0.5
     scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf"))
     return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(s, b, h * d)
 
@@ -145,12 +157,24 @@ def _maxdiff(a, b):
 def _attn_config(tp, cp):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H, num_query_groups=G,
-                             kv_channels=D, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                             use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-                             masked_softmax_fusion=False, attention_softmax_in_fp32=True,
-                             apply_query_key_layer_scaling=False, bias_dropout_fusion=False,
-                             bias_activation_fusion=False, apply_rope_fusion=False)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=H * D,
+        num_attention_heads=H,
+        num_query_groups=G,
+        kv_channels=D,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+    )
 
 
 def _attention_checks(tp, cp, out):
@@ -160,8 +184,13 @@ def _attention_checks(tp, cp, out):
     from megatron.core.transformer.enums import AttnMaskType
 
     from mgrpo.models.cp_attention import CPDotProductAttention
-    from mgrpo.parallel.context_parallel import (all_gather_seq_rank_major, cp_seq_sum, gather_from_cp,
-                                                 split_for_cp, zigzag_indices)
+    from mgrpo.parallel.context_parallel import (
+        all_gather_seq_rank_major,
+        cp_seq_sum,
+        gather_from_cp,
+        split_for_cp,
+        zigzag_indices,
+    )
 
     group = mpu.get_context_parallel_group()
     cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
@@ -173,17 +202,18 @@ def _attention_checks(tp, cp, out):
     w_all = torch.randn(S, B, H * D, generator=g)
     # this TP rank's heads: queries [tp_rank*H/tp, ...), groups [tp_rank*G/tp, ...), output columns alike
     hq, hg = H // tp, G // tp
-    q = q_all[:, :, tp_rank * hq:(tp_rank + 1) * hq].contiguous()
-    k = k_all[:, :, tp_rank * hg:(tp_rank + 1) * hg].contiguous()
-    v = v_all[:, :, tp_rank * hg:(tp_rank + 1) * hg].contiguous()
-    w = w_all[:, :, tp_rank * hq * D:(tp_rank + 1) * hq * D].contiguous()
+    q = q_all[:, :, tp_rank * hq : (tp_rank + 1) * hq].contiguous()
+    k = k_all[:, :, tp_rank * hg : (tp_rank + 1) * hg].contiguous()
+    v = v_all[:, :, tp_rank * hg : (tp_rank + 1) * hg].contiguous()
+    w = w_all[:, :, tp_rank * hq * D : (tp_rank + 1) * hq * D].contiguous()
 
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out = _reference(*ref_in)
     (ref_out * w.double()).sum().backward()
 
-    attn = CPDotProductAttention(_attn_config(tp, cp), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                 attention_type="self")
+    attn = CPDotProductAttention(
+        _attn_config(tp, cp), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     loc = [split_for_cp(t, 0, cp_rank, cp_size).clone().requires_grad_() for t in (q, k, v)]
     o = attn(*loc, attention_mask=None)
     assert o.shape == (S // cp, B, hq * D)
@@ -204,8 +234,9 @@ def _attention_checks(tp, cp, out):
 
         from mgrpo.models.forward import causal_mask
 
-        meg = DotProductAttention(_attn_config(1, 1), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                  attention_type="self")
+        meg = DotProductAttention(
+            _attn_config(1, 1), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+        )
         mi = [t.clone().requires_grad_() for t in (q, k, v)]
         mo = meg(*mi, attention_mask=causal_mask(S))
         (mo * w).sum().backward()
@@ -219,7 +250,7 @@ def _attention_checks(tp, cp, out):
     c_all = torch.randn(B, S, generator=g)
     xr = x_all.double().requires_grad_()
     y_ref = xr.sum(-1)
-    ((c_all.double() * xr).sum(-1) / y_ref + y_ref ** 2).sum().backward()
+    ((c_all.double() * xr).sum(-1) / y_ref + y_ref**2).sum().backward()
     f = cp_seq_sum(group)
     c_loc = split_for_cp(c_all, 1, cp_rank, cp_size)
 
@@ -228,7 +259,7 @@ def _attention_checks(tp, cp, out):
         y = f(x)
         if local_only:  # what an all-reduce with an identity backward would give
             y = x.sum(-1) + (y - x.sum(-1)).detach()
-        ((c_loc * x).sum(-1) / y + y ** 2 / cp_size).sum().backward()
+        ((c_loc * x).sum(-1) / y + y**2 / cp_size).sum().backward()
         return y, gather_from_cp(x.grad, 1, group)
 
     y, gx = seq_grad(False)
@@ -247,10 +278,21 @@ def _attention_checks(tp, cp, out):
 def _model_info():
     from mgrpo.models.hf_config import ModelInfo
 
-    return ModelInfo(architecture="Qwen2ForCausalLM", family="qwen2", vocab_size=300, hidden_size=H * D,
-                     intermediate_size=256, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=G,
-                     head_dim=D, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-                     attention_bias=True)
+    return ModelInfo(
+        architecture="Qwen2ForCausalLM",
+        family="qwen2",
+        vocab_size=300,
+        hidden_size=H * D,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=G,
+        head_dim=D,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    )
 
 
 def _build_gpt(parallel):
@@ -306,8 +348,13 @@ def _gpt_reference(parallel):
     w = torch.randn(logits.shape, generator=g)
     (logits * w).sum().backward()
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-    return {"state": state, "ids": ids, "w": w, "logits": logits.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return {
+        "state": state,
+        "ids": ids,
+        "w": w,
+        "logits": logits.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+    }
 
 
 def _worker(out_dir):
@@ -319,8 +366,12 @@ def _worker(out_dir):
 
     torch.set_num_threads(1)
     init_distributed()
-    layouts = {"cp1": ParallelConfig(), "cp4": ParallelConfig(cp=4), "cp2dp2": ParallelConfig(cp=2),
-               "tp2cp2": ParallelConfig(tp=2, cp=2)}
+    layouts = {
+        "cp1": ParallelConfig(),
+        "cp4": ParallelConfig(cp=4),
+        "cp2dp2": ParallelConfig(cp=2),
+        "tp2cp2": ParallelConfig(tp=2, cp=2),
+    }
     results, ref = {}, None
     t0 = time.time()
     for tag, parallel in layouts.items():

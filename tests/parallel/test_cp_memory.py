@@ -1,6 +1,7 @@
 """Context parallelism halves activation memory: one 4096-token sequence on the tiny model, peak RSS increase
 over forward+backward per rank at CP2 <= 0.6 x CP1 (measured by benchmarks/cp_memory.py, two launches; measured
 0.42 at 4096 tokens, 1348 MB at CP1)."""
+
 import os
 import re
 import subprocess
@@ -10,8 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_cp2_activation_memory_at_most_0_6_of_cp1():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cp_memory.py"), "--seq", "4096"],
-                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "cp_memory.py"), "--seq", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     print(r.stdout)
     m = re.search(r"result: cp1_peak_mb=(\d+) cp2_peak_mb=(\d+) ratio=([\d.]+)", r.stdout)

@@ -2,6 +2,7 @@
 the device, never on the CPU; CPU objects (metrics, the engine-owner table, sample bytes, export coordinates, the
 KL vector) reach collectives only over the CPU group. `checked_collectives` raises on anything else, so these
 tests fail on code that sends a CPU tensor over the default (nccl, on a GPU) group."""
+
 import json
 
 import pytest
@@ -25,8 +26,16 @@ def meta_device(single_rank):
 
 
 def samples(n=3):
-    return [Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7][: 2 + i % 3], loss_mask=[1] * (2 + i % 3),
-                   rollout_logprobs=[-0.5] * (2 + i % 3), group_id=i // 2) for i in range(n)]
+    return [
+        Sample(
+            prompt_ids=[1, 2, 3],
+            response_ids=[4, 5, 6, 7][: 2 + i % 3],
+            loss_mask=[1] * (2 + i % 3),
+            rollout_logprobs=[-0.5] * (2 + i % 3),
+            group_id=i // 2,
+        )
+        for i in range(n)
+    ]
 
 
 def test_micro_batches_and_advantages_land_on_the_device(meta_device):
@@ -85,8 +94,9 @@ def _kl_vector():
     assert sequence_kl(empty).tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("call", [_metrics, _sample_bytes, _owner_table, _export_coords, _kl_vector],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "call", [_metrics, _sample_bytes, _owner_table, _export_coords, _kl_vector], ids=lambda f: f.__name__.strip("_")
+)
 def test_cpu_objects_go_over_the_cpu_group(meta_device, call):
     call()
 

@@ -8,9 +8,10 @@ with context parallelism at CP2, TP2xCP2, DP2xCP2 and PP2xCP2 (ppo_clip token-me
 A fixed global batch of 8 samples with unequal lengths goes through 4 micro-batches on every rank; old
 logprobs are the TP1 model's plus noise, so PPO ratios leave the clip range and both branches are exercised.
 """
-import pytest
 
+import pytest
 from layout_launch import LAUNCHES
+
 from mgrpo.parallel.layout_check import load_layout
 
 ABS, REL, REL_FLOOR = 1e-5, 1e-4, 1e-3  # rel = |diff| / max(|ref|, REL_FLOOR)
@@ -29,8 +30,9 @@ def compare(ref: dict, got: dict, what: str, rel_floor: float = REL_FLOOR) -> fl
         assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         diff = (a - b).abs()
         rel = diff / b.abs().clamp_min(rel_floor)
-        assert diff.max() <= ABS and rel.max() <= REL, \
+        assert diff.max() <= ABS and rel.max() <= REL, (
             f"{what} {name}: max abs {diff.max():.2e} rel {rel.max():.2e} (tol {ABS}, {REL})"
+        )
         worst = max(worst, float(diff.max()))
     return worst
 
@@ -55,8 +57,12 @@ def check(out, tag, rel_floor=REL_FLOOR):
     print(f"{tag}: loss {got['loss']:.8f} (tp1 {ref['loss']:.8f}) max grad diff {g} max weight diff {w:.2e}")
 
 
-TRAIN_LAYOUTS = [t.rpartition(":")[2] for ts in LAUNCHES.values() for t in ts
-                 if not t.endswith(NEGATIVE) and not t.startswith(("roundtrip", "initexport", "nanstep", "mb", "lora"))]
+TRAIN_LAYOUTS = [
+    t.rpartition(":")[2]
+    for ts in LAUNCHES.values()
+    for t in ts
+    if not t.endswith(NEGATIVE) and not t.startswith(("roundtrip", "initexport", "nanstep", "mb", "lora"))
+]
 
 
 @pytest.mark.parametrize("tag", TRAIN_LAYOUTS)
@@ -74,8 +80,9 @@ def test_first_mini_batch_matches_tp1(layout_results, tag):
     assert abs(full["loss"] - first["loss"]) > 1e-4, "the mini-batch is a different batch from the whole"
 
 
-@pytest.mark.parametrize("tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag", "dp2-topent-rankq",
-                                 "cp2-pack-crossattn"])
+@pytest.mark.parametrize(
+    "tag", ["tp2-wrongshard", "cp2-loss_gspo-localseq", "cp2-nozigzag", "dp2-topent-rankq", "cp2-pack-crossattn"]
+)
 def test_negative_controls_are_detected(layout_results, tag):
     """A shard from the wrong TP rank, GSPO's sequence ratio reduced per CP rank instead of across the CP
     group, a contiguous (not zigzag) CP split, and the entropy mask's quantile taken per DP rank instead of over

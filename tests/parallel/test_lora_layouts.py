@@ -5,11 +5,12 @@ gets a gradient. Launches are shared with the layout matrix (tests/layout_launch
 
 The merged weights' relative test floors at 1e-2 (gradients keep 1e-3): Adam (eps 1e-3, lr 1e-2) turns 1e-8 of
 fp32 order noise in a near-zero factor gradient into ~1e-7 of update, which B·A carries into weights near zero."""
-import pytest
 
+import pytest
 from layout_launch import LAUNCHES
-from mgrpo.parallel.layout_check import load_layout
 from test_layouts import ABS, REL_FLOOR, compare
+
+from mgrpo.parallel.layout_check import load_layout
 
 WEIGHT_REL_FLOOR = 1e-2
 
@@ -21,8 +22,13 @@ def check(out, tag):
     w = compare(ref["weights"], got["weights"], "merged weight after step", WEIGHT_REL_FLOOR)
     print(f"{tag}: loss {got['loss']:.8f} (tp1 {ref['loss']:.8f}) max grad diff {g} max weight diff {w:.2e}")
 
-LORA_TAGS = ["lora-" + t.split(":")[1] for ts in LAUNCHES.values() for t in ts
-             if t.startswith("lora:") and not t.endswith("loraswap")]
+
+LORA_TAGS = [
+    "lora-" + t.split(":")[1]
+    for ts in LAUNCHES.values()
+    for t in ts
+    if t.startswith("lora:") and not t.endswith("loraswap")
+]
 
 
 @pytest.mark.parametrize("tag", LORA_TAGS)

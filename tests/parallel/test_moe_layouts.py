@@ -8,20 +8,26 @@ float noise. The tiny MoE's router is drawn with std 0.5 (mgrpo/models/tiny.py);
 1e-4 anywhere (HF's own forward, every token, every MoE layer) is drawn again (tests/layout_launch.py), and
 `test_inputs_have_no_router_ties` checks the batch that ran.
 """
+
 import pytest
 import torch
-
 from layout_launch import MIN_ROUTER_GAP, MOE_LAUNCHES, router_gap, run_moe_launches
-from mgrpo.parallel.layout_check import load_layout
 from test_layouts import check
+
+from mgrpo.parallel.layout_check import load_layout
+
 
 @pytest.fixture(scope="module")
 def moe_results(single_rank, tiny_dirs, tmp_path_factory):
     return run_moe_launches(tiny_dirs, tmp_path_factory)
 
 
-TRAIN = [t.rpartition(":")[2] for ts in MOE_LAUNCHES.values() for t in ts
-         if not t.startswith(("roundtrip", "initexport")) and not t.endswith("swapexperts")]
+TRAIN = [
+    t.rpartition(":")[2]
+    for ts in MOE_LAUNCHES.values()
+    for t in ts
+    if not t.startswith(("roundtrip", "initexport")) and not t.endswith("swapexperts")
+]
 
 
 @pytest.mark.parametrize("tag", TRAIN)
@@ -54,8 +60,18 @@ def test_inputs_have_no_router_ties(moe_results):
     assert gap > MIN_ROUTER_GAP
 
 
-@pytest.mark.parametrize("layout", ["tp1", "ep2", "tp2-ep2-sp", "per_dp-dp4-ep2.rank0", "per_dp-dp4-ep2.rank1",
-                                    "per_dp-dp4-ep2.rank2", "per_dp-dp4-ep2.rank3"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "tp1",
+        "ep2",
+        "tp2-ep2-sp",
+        "per_dp-dp4-ep2.rank0",
+        "per_dp-dp4-ep2.rank1",
+        "per_dp-dp4-ep2.rank2",
+        "per_dp-dp4-ep2.rank3",
+    ],
+)
 def test_moe_round_trip_is_bitwise(moe_results, layout):
     """HF -> megatron (each rank reads only its own experts) -> export (experts gathered over EP) is bitwise; also
     with every DP replica exporting to its own rank (one engine per DP group): EP groups span replicas, so the
@@ -63,8 +79,9 @@ def test_moe_round_trip_is_bitwise(moe_results, layout):
     import json
     import os
 
-    with open(os.path.join(moe_results, f"roundtrip{'_' if layout.startswith('per_dp') else '-'}{layout}"
-                                        f".roundtrip.json")) as f:
+    with open(
+        os.path.join(moe_results, f"roundtrip{'_' if layout.startswith('per_dp') else '-'}{layout}.roundtrip.json")
+    ) as f:
         r = json.load(f)
     assert r["mismatched"] == [] and r["extra"] == [], r
     # embed, final norm, lm_head; per layer 2 norms, q/k/v/o, q/k norms; 3 MoE layers: router + 8 x 3; 1 dense: 3
@@ -78,8 +95,9 @@ def test_moe_megatron_initialised_export_loads_in_hf(moe_results):
     from transformers import AutoModelForCausalLM
 
     ours = torch.load(os.path.join(moe_results, "initexport-tp2-ep2-sp.logits.pt"), weights_only=True)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.join(moe_results, "initexport-tp2-ep2-sp.hf"),
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.join(moe_results, "initexport-tp2-ep2-sp.hf"), dtype=torch.float32
+    )
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         theirs = hf(ids).logits

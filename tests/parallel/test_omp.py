@@ -1,5 +1,6 @@
 """OMP_WAIT_POLICY: PASSIVE on machines without NVIDIA GPUs and on oversubscribed GPU nodes, never over the user's
 (mgrpo/parallel/omp.py has the measurements behind the choice)."""
+
 import os
 
 import pytest
@@ -16,10 +17,18 @@ def env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("gpu,ranks,threads,user,expect", [
-    (False, "1", "2", None, "PASSIVE"), (False, "2", "2", None, "PASSIVE"), (False, "1", "2", "ACTIVE", "ACTIVE"),
-    (True, "1", "2", None, None), (True, "2", "2", None, "PASSIVE"), (True, "4", "1", None, "PASSIVE"),
-    (True, "2", "2", "ACTIVE", "ACTIVE")])
+@pytest.mark.parametrize(
+    "gpu,ranks,threads,user,expect",
+    [
+        (False, "1", "2", None, "PASSIVE"),
+        (False, "2", "2", None, "PASSIVE"),
+        (False, "1", "2", "ACTIVE", "ACTIVE"),
+        (True, "1", "2", None, None),
+        (True, "2", "2", None, "PASSIVE"),
+        (True, "4", "1", None, "PASSIVE"),
+        (True, "2", "2", "ACTIVE", "ACTIVE"),
+    ],
+)
 def test_wait_policy(env, gpu, ranks, threads, user, expect):
     env.setattr(omp, "has_nvidia_gpu", lambda: gpu)
     env.setenv("LOCAL_WORLD_SIZE", ranks)

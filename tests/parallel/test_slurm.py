@@ -1,6 +1,7 @@
 """The Slurm rendezvous arithmetic with synthetic multi-node node lists, and launch/slurm/train_grpo.sbatch driven
 by stand-in `scontrol` and `srun` commands that record what the script asks of them (the real Slurm run is
 tests/test_slurm_job.py, marked slurm)."""
+
 import os
 import stat
 import subprocess
@@ -12,13 +13,16 @@ from mgrpo.parallel.slurm import SlurmPlanError, expand_nodelist, plan_nodes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("gpu[01-02]", ["gpu01", "gpu02"]),
-    ("a1,b7", ["a1", "b7"]),
-    ("node[003-005,7],gpu1", ["node003", "node004", "node005", "node7", "gpu1"]),
-    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
-    ("single", ["single"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("gpu[01-02]", ["gpu01", "gpu02"]),
+        ("a1,b7", ["a1", "b7"]),
+        ("node[003-005,7],gpu1", ["node003", "node004", "node005", "node7", "gpu1"]),
+        ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+        ("single", ["single"]),
+    ],
+)
 def test_node_lists_expand_like_scontrol(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
@@ -64,19 +68,41 @@ def run_sbatch(tmp_path, **env):
         path = bin_dir / name
         path.write_text(text.format(py=sys.executable, log=log))
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, SLURM_SUBMIT_DIR=ROOT,
-                SLURM_JOB_ID="77", LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=ROOT, **env)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm", "train_grpo.sbatch")], env=full,
-                          capture_output=True, text=True, timeout=120)
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    full.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        SLURM_SUBMIT_DIR=ROOT,
+        SLURM_JOB_ID="77",
+        LOG_DIR=str(tmp_path / "logs"),
+        PYTHONPATH=ROOT,
+        **env,
+    )
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch", "slurm", "train_grpo.sbatch")],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, (log.read_text() if log.exists() else "")
 
 
 def test_the_batch_script_starts_servers_then_one_torchrun_per_training_node(tmp_path):
-    proc, calls = run_sbatch(tmp_path, SLURM_JOB_NODELIST="gpu[01-03]", GPUS_PER_NODE="8", ROLLOUT_NODES="1",
-                             ROLLOUT_MODEL="/models/m", SLURM_RESTART_COUNT="1", ROLLOUT_SSL_CERT="/tls/cert.pem",
-                             ROLLOUT_SSL_KEY="/tls/key.pem")
+    proc, calls = run_sbatch(
+        tmp_path,
+        SLURM_JOB_NODELIST="gpu[01-03]",
+        GPUS_PER_NODE="8",
+        ROLLOUT_NODES="1",
+        ROLLOUT_MODEL="/models/m",
+        SLURM_RESTART_COUNT="1",
+        ROLLOUT_SSL_CERT="/tls/cert.pem",
+        ROLLOUT_SSL_KEY="/tls/key.pem",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = calls.splitlines()
     server = next(line for line in lines if "rollout_server.py" in line)
@@ -85,8 +111,9 @@ def test_the_batch_script_starts_servers_then_one_torchrun_per_training_node(tmp
     train = next(line for line in lines if "train_grpo.py" in line)
     assert "--nodes 2 --ntasks 2 --ntasks-per-node 1 --nodelist gpu01,gpu02" in train
     assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu01:29500 --rdzv-id 77" in train
-    assert "--rollout.engine remote --rollout.servers https://gpu03:8000 --rollout.remote.ca_file /tls/cert.pem" \
-        in train
+    assert (
+        "--rollout.engine remote --rollout.servers https://gpu03:8000 --rollout.remote.ca_file /tls/cert.pem" in train
+    )
     assert train.rstrip().endswith("--resume")  # SLURM_RESTART_COUNT=1: a requeued run continues
     assert "MGRPO_SERVER_TOKEN" not in proc.stdout + proc.stderr + calls  # never printed
 

@@ -2,6 +2,7 @@
 mini-batches, so the second update sees ratios != 1), every optimizer step's loss and grad norm, and the weights
 the engine holds after the step (<= 1e-5). Configurations: (a) k3 KL loss term + entropy bonus + token TIS;
 (b) KL in the reward. Only the first generation batch is compared (later ones may part at sampling near-ties)."""
+
 import json
 import os
 import subprocess
@@ -28,12 +29,27 @@ def results(single_rank, tiny_dirs, tmp_path_factory):
 
     for name in ("a", "b"):  # TP1 references in this process
         run(model, str(out), "tp1", name)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
     for world, runs in LAUNCHES.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", WORKER, "--model", model, "--out", str(out), "--runs", ",".join(runs)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            f"--master-port={free_port()}",
+            WORKER,
+            "--model",
+            model,
+            "--out",
+            str(out),
+            "--runs",
+            ",".join(runs),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
         assert r.returncode == 0, f"world {world}:\n{r.stderr[-5000:]}"
     return str(out)
@@ -59,7 +75,9 @@ def test_trainer_step_matches_tp1(results, tag):
     assert ref["updates"][1]["actor/kl_old"] > 0, "the second update must see ratios != 1"
     worst = max(float((got_w[n] - ref_w[n]).abs().max()) for n in ref_w)
     moved = max(float((ref_w[n]).abs().max()) for n in ref_w)
-    print(f"{tag}: losses {[u['actor/loss'] for u in got['updates']]} vs tp1 "
-          f"{[u['actor/loss'] for u in ref['updates']]}, max weight diff {worst:.2e}")
+    print(
+        f"{tag}: losses {[u['actor/loss'] for u in got['updates']]} vs tp1 "
+        f"{[u['actor/loss'] for u in ref['updates']]}, max weight diff {worst:.2e}"
+    )
     assert worst <= ABS and moved > 0
     assert _close(got["reward"], ref["reward"])

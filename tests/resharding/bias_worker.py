@@ -4,6 +4,7 @@ Per layout: HF -> megatron -> export_hf round trip against the safetensors (bitw
 comparison, and at PP2 a checkpoint with one extra layer-1 tensor, which only stage 1 holds, must fail on
 every rank (the consumed set is the whole model's, not the stage's).
 """
+
 import argparse
 import json
 import os

@@ -1,6 +1,7 @@
 """torchrun worker (world 4) for test_direct_export.py: export by direct sends against the gather path and the
 source safetensors, bitwise, at TP2xPP2 into a destination that is neither stage's TP0 (rank 3) and at TP2xDP2
 into one destination per data-parallel replica."""
+
 import argparse
 import json
 import os
@@ -26,8 +27,14 @@ def compare(model: str, parallel, per_dp: bool) -> dict:
     chunks = build_model(model, parallel)
     load_hf(chunks, model)
     coords = rank_coords()
-    dst = {d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
-           for d in range(mpu.get_data_parallel_world_size())} if per_dp else 3
+    dst = (
+        {
+            d: next(r for r in range(len(coords)) if coords[r, :4].tolist() == [0, 0, d, 0])
+            for d in range(mpu.get_data_parallel_world_size())
+        }
+        if per_dp
+        else 3
+    )
     got = {}
     for direct in (True, False):
         got[direct] = {n: t.clone() for n, t in export_hf(chunks, dst=dst, bucket_bytes=48 << 10, direct=direct)}
@@ -35,10 +42,12 @@ def compare(model: str, parallel, per_dp: bool) -> dict:
     if dist.get_rank() not in targets:
         return {"received": len(got[True]) + len(got[False])}
     reader = SafetensorsReader(model)
-    return {"names": len(got[True]),
-            "mismatched": [n for n in reader.where if n not in got[True] or not torch.equal(got[True][n], reader.read(n))],
-            "differs_from_gather": sorted(n for n in got[False] if not torch.equal(got[True].get(n), got[False][n])),
-            "extra": sorted(set(got[True]) - set(reader.where))}
+    return {
+        "names": len(got[True]),
+        "mismatched": [n for n in reader.where if n not in got[True] or not torch.equal(got[True][n], reader.read(n))],
+        "differs_from_gather": sorted(n for n in got[False] if not torch.equal(got[True].get(n), got[False][n])),
+        "extra": sorted(set(got[True]) - set(reader.where)),
+    }
 
 
 def main():
@@ -48,8 +57,10 @@ def main():
     args = ap.parse_args()
     init_distributed(backend="gloo")
     out = {}
-    for tag, parallel, per_dp in (("tp2-pp2", ParallelConfig(tp=2, pp=2), False),
-                                  ("tp2-dp2", ParallelConfig(tp=2), True)):
+    for tag, parallel, per_dp in (
+        ("tp2-pp2", ParallelConfig(tp=2, pp=2), False),
+        ("tp2-dp2", ParallelConfig(tp=2), True),
+    ):
         setup_model_parallel(parallel)
         out[tag] = compare(args.model, parallel, per_dp)
         dist.barrier()

@@ -1,5 +1,6 @@
 """A Llama with every bias HF can give it (attention_bias and mlp_bias): the o_proj / gate / up / down biases
 survive HF -> megatron -> export_hf bitwise at TP1, TP2 and PP2, and TP2 logits equal HF's."""
+
 import json
 import os
 import shutil
@@ -58,8 +59,20 @@ def launched(tiny_dirs, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           os.path.join(HERE, "bias_worker.py"), "--model", model, "--bad", str(bad), "--out", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        os.path.join(HERE, "bias_worker.py"),
+        "--model",
+        model,
+        "--bad",
+        str(bad),
+        "--out",
+        str(root),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, f"workers failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return model, [json.loads((root / f"rank{i}.json").read_text()) for i in range(2)]

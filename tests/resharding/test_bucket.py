@@ -1,4 +1,5 @@
 """The weight-bucket codec: safetensors bytes (no pickle), views back out, and checksums that name the bucket."""
+
 import json
 import subprocess
 import sys
@@ -11,8 +12,12 @@ from mgrpo.resharding.bucket import ALIGN, Bucket, BucketError, ManifestCheck, d
 
 def tensors():
     g = torch.Generator().manual_seed(0)
-    return [("a.weight", torch.randn(64, 32, generator=g)), ("b.bias", torch.randn(7, generator=g)),
-            ("c.weight", torch.randn(300, 16, generator=g).bfloat16()), ("d.scalar", torch.tensor(3.0))]
+    return [
+        ("a.weight", torch.randn(64, 32, generator=g)),
+        ("b.bias", torch.randn(7, generator=g)),
+        ("c.weight", torch.randn(300, 16, generator=g).bfloat16()),
+        ("d.scalar", torch.tensor(3.0)),
+    ]
 
 
 def test_round_trip_through_bytes_is_bitwise():
@@ -22,7 +27,7 @@ def test_round_trip_through_bytes_is_bitwise():
     out = {}
     for b in buckets:
         wire = b.to_bytes()
-        header = json.loads(wire[8: 8 + int.from_bytes(wire[:8], "little")])
+        header = json.loads(wire[8 : 8 + int.from_bytes(wire[:8], "little")])
         assert set(header) == {"flat", "__metadata__"}, "plain safetensors: one uint8 tensor plus metadata"
         decoded = Bucket.from_bytes(wire)
         assert decoded.manifest["version"] == 5
@@ -47,15 +52,21 @@ def test_checksum_mismatch_names_the_bucket():
 
 
 def test_codec_imports_without_megatron():
-    code = ("import sys; import mgrpo.resharding.bucket; "
-            "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron was imported'")
+    code = (
+        "import sys; import mgrpo.resharding.bucket; "
+        "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def odd_then_wide():
     g = torch.Generator().manual_seed(1)
-    return [("odd.bf16", torch.randn(7, generator=g).bfloat16()), ("w.fp32", torch.randn(5, 3, generator=g)),
-            ("i.int64", torch.arange(-4, 5, dtype=torch.int64)), ("h.fp16", torch.randn(3, generator=g).half())]
+    return [
+        ("odd.bf16", torch.randn(7, generator=g).bfloat16()),
+        ("w.fp32", torch.randn(5, 3, generator=g)),
+        ("i.int64", torch.arange(-4, 5, dtype=torch.int64)),
+        ("h.fp16", torch.randn(3, generator=g).half()),
+    ]
 
 
 def test_odd_length_bf16_then_fp32_then_int64_round_trips_aligned():
@@ -83,9 +94,16 @@ def test_verify_returns_the_digest_over_payload_and_manifest():
     assert Bucket.from_bytes(bucket.to_bytes()).verify() == want
 
 
-@pytest.mark.parametrize("old,new", [(b"[5, 3]", b"[3, 5]"), (rb'\"w.fp32\"', rb'\"w.fp33\"'),
-                                     (rb'\"version\": 3', rb'\"version\": 4'), (b"64, 128", b"64, 192")],
-                         ids=["shape", "name", "version", "offset"])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (b"[5, 3]", b"[3, 5]"),
+        (rb"\"w.fp32\"", rb"\"w.fp33\""),
+        (rb"\"version\": 3", rb"\"version\": 4"),
+        (b"64, 128", b"64, 192"),
+    ],
+    ids=["shape", "name", "version", "offset"],
+)
 def test_tampered_manifest_is_a_sha256_mismatch(old, new):
     wire = pack_bucket(odd_then_wide(), version=3, index=1).to_bytes()
     assert wire.count(old) == 1 and len(old) == len(new)
@@ -98,8 +116,11 @@ def test_bucket_without_checksum_is_not_a_mismatch():
     assert bucket.manifest["sha256"] == "" and bucket.verify() is None
     decoded = Bucket.from_bytes(bucket.to_bytes(), verify=True)
     assert decoded.verify() is None
-    with pytest.raises(BucketError, match=r"bucket 1/\? of weight version 9: carries no sha256 but this "
-                                          r"transport requires one; pack it with checksum=True"):
+    with pytest.raises(
+        BucketError,
+        match=r"bucket 1/\? of weight version 9: carries no sha256 but this "
+        r"transport requires one; pack it with checksum=True",
+    ):
         Bucket.from_bytes(bucket.to_bytes(), require_checksum=True)
     checked = pack_bucket(odd_then_wide(), version=9, index=0)
     assert Bucket.from_bytes(checked.to_bytes(), require_checksum=True).verify() == checked.manifest["sha256"]
@@ -116,8 +137,12 @@ def test_manifest_check_complete_set_passes():
     for b in buckets:
         check.add(Bucket.from_bytes(b.to_bytes()))
     summary = check.finish()
-    assert summary == {"tensors": len(src), "bytes": sum(t.numel() * t.element_size() for _, t in src),
-                       "buckets": len(buckets), "digests": [b.manifest["sha256"] for b in buckets]}
+    assert summary == {
+        "tensors": len(src),
+        "bytes": sum(t.numel() * t.element_size() for _, t in src),
+        "buckets": len(buckets),
+        "digests": [b.manifest["sha256"] for b in buckets],
+    }
     # an optional name may also arrive; a bucket without a digest adds none
     check = ManifestCheck(expected_of(src), optional=["lm_head.weight"])
     check.add(pack_bucket(src + [("lm_head.weight", torch.zeros(2))], 0, 0, checksum=False))
@@ -129,31 +154,52 @@ def _tamper_layout(field, value):
         b = pack_bucket(src, 7, 1, checksum=False)
         b.manifest[field] = value(b.manifest[field])
         return [b]
+
     return go
 
 
 # each case: (how to build the buckets from tensors(), expected-dict change, message that must be raised)
 FAILURES = {
-    "missing": (lambda src: [pack_bucket(src[:-1], 7, 0)], None,
-                r"1 expected tensor\(s\) never arrived.*'d\.scalar'"),
-    "twice": (lambda src: [pack_bucket(src, 7, 0), pack_bucket(src[:1], 7, 1)], None,
-              r"tensor 'a\.weight' arrived twice \(bucket 2/\? of weight version 7, first in bucket 1/\?"),
+    "missing": (lambda src: [pack_bucket(src[:-1], 7, 0)], None, r"1 expected tensor\(s\) never arrived.*'d\.scalar'"),
+    "twice": (
+        lambda src: [pack_bucket(src, 7, 0), pack_bucket(src[:1], 7, 1)],
+        None,
+        r"tensor 'a\.weight' arrived twice \(bucket 2/\? of weight version 7, first in bucket 1/\?",
+    ),
     "twice_in_one": (lambda src: [pack_bucket(src + src[:1], 7, 0)], None, r"'a\.weight' arrived twice"),
-    "unknown": (lambda src: [pack_bucket(src + [("x", torch.zeros(1))], 7, 1)], None,
-                r"HF engine: unknown tensor 'x' \(bucket 2/\? of weight version 7\)"),
-    "shape": (lambda src: [pack_bucket(src, 7, 0)], ("b.bias", ((8,), "float32")),
-              r"tensor 'b\.bias' .* arrived as \(7,\) float32, expected \(8,\) float32"),
-    "dtype": (lambda src: [pack_bucket(src, 7, 0)], ("c.weight", ((300, 16), "float32")),
-              r"tensor 'c\.weight' .* arrived as \(300, 16\) bfloat16, expected \(300, 16\) float32"),
+    "unknown": (
+        lambda src: [pack_bucket(src + [("x", torch.zeros(1))], 7, 1)],
+        None,
+        r"HF engine: unknown tensor 'x' \(bucket 2/\? of weight version 7\)",
+    ),
+    "shape": (
+        lambda src: [pack_bucket(src, 7, 0)],
+        ("b.bias", ((8,), "float32")),
+        r"tensor 'b\.bias' .* arrived as \(7,\) float32, expected \(8,\) float32",
+    ),
+    "dtype": (
+        lambda src: [pack_bucket(src, 7, 0)],
+        ("c.weight", ((300, 16), "float32")),
+        r"tensor 'c\.weight' .* arrived as \(300, 16\) bfloat16, expected \(300, 16\) float32",
+    ),
     "lengths": (_tamper_layout("nbytes", lambda v: v[:-1]), None, "different lengths"),
-    "nbytes": (_tamper_layout("shapes", lambda v: [[64, 33]] + v[1:]), None,
-               r"'a\.weight': nbytes 8192 != numel\*itemsize 8448"),
+    "nbytes": (
+        _tamper_layout("shapes", lambda v: [[64, 33]] + v[1:]),
+        None,
+        r"'a\.weight': nbytes 8192 != numel\*itemsize 8448",
+    ),
     "misaligned": (_tamper_layout("offsets", lambda v: [v[0], v[1] + 4] + v[2:]), None, "not 64-byte aligned"),
     "outside": (_tamper_layout("offsets", lambda v: v[:-1] + [v[-1] + 64]), None, "inside the"),
-    "overlap": (_tamper_layout("offsets", lambda v: [v[0], v[0]] + v[2:]), None,
-                r"tensors '(a\.weight|b\.bias)' and '(a\.weight|b\.bias)' overlap"),
-    "sha256": (lambda src: [Bucket(pack_bucket(src, 7, 0).flat.clone().fill_(1), pack_bucket(src, 7, 0).manifest)],
-               None, "sha256 mismatch"),
+    "overlap": (
+        _tamper_layout("offsets", lambda v: [v[0], v[0]] + v[2:]),
+        None,
+        r"tensors '(a\.weight|b\.bias)' and '(a\.weight|b\.bias)' overlap",
+    ),
+    "sha256": (
+        lambda src: [Bucket(pack_bucket(src, 7, 0).flat.clone().fill_(1), pack_bucket(src, 7, 0).manifest)],
+        None,
+        "sha256 mismatch",
+    ),
 }
 
 
@@ -193,6 +239,9 @@ def test_tampered_shape_is_caught_by_digest_and_by_manifest_check():
         Bucket.from_bytes(bad)  # the digest covers the manifest
     decoded = Bucket.from_bytes(bad, verify=False)
     decoded.manifest["sha256"] = ""  # as if sent without a digest: the layout check still catches it
-    with pytest.raises(BucketError, match=r"HF engine: bucket 1/\? of weight version 2 has an inconsistent "
-                                          r"manifest: tensor 'a\.weight': nbytes"):
+    with pytest.raises(
+        BucketError,
+        match=r"HF engine: bucket 1/\? of weight version 2 has an inconsistent "
+        r"manifest: tensor 'a\.weight': nbytes",
+    ):
         ManifestCheck(expected_of(src)).add(decoded)

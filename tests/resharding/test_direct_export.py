@@ -1,6 +1,7 @@
 """Export by direct sends (`resharding/direct_export.py`): mapping specs survive JSON, and in one torchrun launch
 (world 4) the direct path equals the source safetensors and the gather path bitwise at TP2xPP2 (destination rank 3:
 stage 1's TP1, outside stage 0) and at TP2xDP2 with one destination per replica."""
+
 import json
 import os
 import shutil
@@ -19,8 +20,14 @@ N_TENSORS = 3 + 2 * (2 + 8 + 6)
 
 
 def test_mapping_specs_survive_json():
-    for m in (Replicated(("a",)), Column(("b",)), Row(("c",)), GatedMLP(("g", "u")),
-              Vocab(("e",), vocab_size=300, padded_size=384), QKV(("q", "k", "v"), num_heads=4, num_groups=2, head_dim=8)):
+    for m in (
+        Replicated(("a",)),
+        Column(("b",)),
+        Row(("c",)),
+        GatedMLP(("g", "u")),
+        Vocab(("e",), vocab_size=300, padded_size=384),
+        QKV(("q", "k", "v"), num_heads=4, num_groups=2, head_dim=8),
+    ):
         back = mapping_of(json.loads(json.dumps(spec_of(m))))
         assert type(back) is type(m) and back == m, (m, back)
     expert = Expert((), of=lambda e: Row((f"x{e}",)))
@@ -37,8 +44,18 @@ def launched(tiny_dirs, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           os.path.join(HERE, "direct_worker.py"), "--model", model, "--out", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        f"--master-port={free_port()}",
+        os.path.join(HERE, "direct_worker.py"),
+        "--model",
+        model,
+        "--out",
+        str(root),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, f"workers failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return [json.loads((root / f"rank{i}.json").read_text()) for i in range(4)]

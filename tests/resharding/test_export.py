@@ -1,5 +1,6 @@
 """Resharding out: bitwise HF round trips at every layout, a megatron-initialised export that HF loads with
 the same logits, a memory bound on streaming export, and the checkpoint -> HF converter."""
+
 import json
 import os
 import shutil
@@ -29,8 +30,9 @@ def test_megatron_initialised_export_loads_in_hf(layout_results):
     from transformers import AutoModelForCausalLM
 
     ours = torch.load(os.path.join(layout_results, "initexport-tp2-pp2.logits.pt"), weights_only=True)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.join(layout_results, "initexport-tp2-pp2.hf"),
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.join(layout_results, "initexport-tp2-pp2.hf"), dtype=torch.float32
+    )
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         theirs = hf(ids).logits
@@ -43,13 +45,20 @@ def test_streaming_export_memory_is_bounded():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "export_memory_probe.py"), "32"], capture_output=True,
-                       text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "export_memory_probe.py"), "32"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     bound = m["bucket_mb"] + m["largest_mb"] + 64
-    print(f"model {m['model_mb']:.0f} MB: streamed +{m['streamed_increase_mb']:.0f} MB, "
-          f"list() +{m['list_increase_mb']:.0f} MB, bound {bound:.0f} MB")
+    print(
+        f"model {m['model_mb']:.0f} MB: streamed +{m['streamed_increase_mb']:.0f} MB, "
+        f"list() +{m['list_increase_mb']:.0f} MB, bound {bound:.0f} MB"
+    )
     assert m["model_mb"] >= 400
     assert m["streamed_increase_mb"] <= bound
     assert m["list_increase_mb"] > bound, "holding every tensor must break the bound, or the check is blind"
@@ -60,9 +69,8 @@ def _ckpt(layout_results):
 
 
 def test_converter_output_matches_source_model(layout_results, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from convert_to_hf import main
+    from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
     assert main(["--checkpoint", _ckpt(layout_results), "--output", str(out), "--max-shard-size", "300KB"]) == 0
@@ -92,8 +100,9 @@ def test_converter_errors(layout_results, tmp_path, capsys):
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
         assert code == 2 and len(err) == 1 and expect in err[0], err
 
-    one_line(main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")]),
-             "checkpoint folder not found")
+    one_line(
+        main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")]), "checkpoint folder not found"
+    )
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("keep")

@@ -1,5 +1,6 @@
 """load_hf names the tensor or file at fault: a missing tensor, a config.json that does not match the weights,
 or a checkpoint tensor nothing reads (which would otherwise be dropped silently)."""
+
 import json
 import os
 import shutil
@@ -93,6 +94,8 @@ def test_consumed_names_cover_layers_on_other_stages(single_rank, tiny_dirs):
 
     src = tiny_dirs("load_err_llama_bias", family="llama", num_layers=2, attention_bias=True)
     chunk = build_model(src, single_rank)[0]
-    last_stage = SimpleNamespace(mgrpo_info=chunk.mgrpo_info,  # like PP rank 1 of 2: global layer 2 only
-                                 decoder=SimpleNamespace(layers=[chunk.decoder.layers[1]]))
+    last_stage = SimpleNamespace(
+        mgrpo_info=chunk.mgrpo_info,  # like PP rank 1 of 2: global layer 2 only
+        decoder=SimpleNamespace(layers=[chunk.decoder.layers[1]]),
+    )
     assert consumed_hf_names([last_stage]) == set(SafetensorsReader(src).where) == consumed_hf_names([chunk])

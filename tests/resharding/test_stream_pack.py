@@ -2,11 +2,11 @@
 `pack_bucket`'s (the receivers' checks apply unchanged), the flattened layout is SGLang's (back to back, every
 offset a multiple of its item size), buckets stay within their size (a larger tensor alone), two buffers
 alternate and are reused."""
+
 import torch
 
-from mgrpo.resharding.bucket import pack_bucket
+from mgrpo.resharding.bucket import DTYPES, pack_bucket
 from mgrpo.resharding.stream_pack import StreamPacker
-from mgrpo.resharding.bucket import DTYPES
 
 
 def unpack_flattened(flat, meta):
@@ -15,17 +15,22 @@ def unpack_flattened(flat, meta):
     out, off = [], 0
     for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
         n = int(torch.Size(shape).numel()) * DTYPES[dtype].itemsize
-        out.append((name, flat[off: off + n].view(DTYPES[dtype]).view(shape)))
+        out.append((name, flat[off : off + n].view(DTYPES[dtype]).view(shape)))
         off += n
     return out
 
 
 def _stream():
     g = torch.Generator().manual_seed(0)
-    return [("a", torch.randn(100, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
-            ("c", torch.randn(30, 4, generator=g).t()),  # a strided view
-            ("d", torch.randint(0, 5, (9,), generator=g)), ("big", torch.randn(300, generator=g)),
-            ("e", torch.randn(3, generator=g).to(torch.bfloat16)), ("f", torch.randn(5, generator=g))]
+    return [
+        ("a", torch.randn(100, generator=g)),
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c", torch.randn(30, 4, generator=g).t()),  # a strided view
+        ("d", torch.randint(0, 5, (9,), generator=g)),
+        ("big", torch.randn(300, generator=g)),
+        ("e", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("f", torch.randn(5, generator=g)),
+    ]
 
 
 def _pack_all(layout, bucket_bytes=512):

@@ -1,6 +1,7 @@
 """Built-in rewards (true and false cases), dataset columns by name, isolated rewards under a timeout (a reward
 that sleeps forever is killed and only its sample fails), async rewards run concurrently, the ms-swift ORM
 adapter, and a sequence-classification reward model against HF's own forward."""
+
 import concurrent.futures
 import math
 import textwrap
@@ -15,8 +16,13 @@ from mgrpo.rollout.types import Sample
 
 
 def sample(text, **info):
-    return Sample(prompt_ids=[1], response_ids=[2] * max(1, len(text) // 4), loss_mask=[1] * max(1, len(text) // 4),
-                  messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": text}], info=info)
+    return Sample(
+        prompt_ids=[1],
+        response_ids=[2] * max(1, len(text) // 4),
+        loss_mask=[1] * max(1, len(text) // 4),
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": text}],
+        info=info,
+    )
 
 
 ACCURACY_CASES = [  # (completion, solution, expected)
@@ -79,7 +85,8 @@ def test_soft_overlong_is_dapos_and_floored_at_minus_one():
     negative control."""
     for y in range(0, 97):
         assert soft_overlong("", length=y, max_tokens=32, soft_cache_length=8) == pytest.approx(
-            _dapo_overlong(y, 32, 8)), y
+            _dapo_overlong(y, 32, 8)
+        ), y
     assert soft_overlong("", length=52, max_tokens=32, soft_cache_length=8) == -1.0 != -(52 - 24) / 8
 
 
@@ -96,8 +103,13 @@ def test_soft_overlong_measures_the_whole_trajectory_against_its_budget():
     assert response_token_budget(rollout) == 36
     assert response_token_budget(RolloutConfig(max_tokens=12)) == 12
     assert response_token_budget(RolloutConfig(scheduler="tool_call", max_tokens=12)) is None
-    score([traj], None, ["soft_overlong"], kwargs={"soft_cache_length": 8},
-          options=ScoreOptions(max_tokens=response_token_budget(rollout)))
+    score(
+        [traj],
+        None,
+        ["soft_overlong"],
+        kwargs={"soft_cache_length": 8},
+        options=ScoreOptions(max_tokens=response_token_budget(rollout)),
+    )
     assert traj.reward == pytest.approx(_dapo_overlong(31, 36, 8)) == pytest.approx(-3 / 8)
 
 
@@ -105,17 +117,26 @@ def test_soft_overlong_config_errors_are_one_line():
     from mgrpo.config import ConfigError, load_config
 
     base = ["--model.path", "m", "--reward.funcs", "[soft_overlong]"]
-    cases = [([], "reward.kwargs.soft_cache_length=0: soft_overlong needs a cache length > 0"),
-             (["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call"],
-              "reward.kwargs.soft_max_length is unset and rollout.scheduler=tool_call has no rollout.max_turns"),
-             (["--reward.kwargs", "{soft_cache_length: 64}", "--rollout.max_tokens", "32"],
-              "reward.kwargs.soft_cache_length=64 must be below the limit 32")]
+    cases = [
+        ([], "reward.kwargs.soft_cache_length=0: soft_overlong needs a cache length > 0"),
+        (
+            ["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call"],
+            "reward.kwargs.soft_max_length is unset and rollout.scheduler=tool_call has no rollout.max_turns",
+        ),
+        (
+            ["--reward.kwargs", "{soft_cache_length: 64}", "--rollout.max_tokens", "32"],
+            "reward.kwargs.soft_cache_length=64 must be below the limit 32",
+        ),
+    ]
     for extra, expect in cases:
         with pytest.raises(ConfigError) as err:
             load_config(argv=base + extra, check_files=False)
         assert any(expect in line for line in str(err.value).splitlines()), str(err.value)
-    load_config(argv=base + ["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call",
-                             "--rollout.max_turns", "3"], check_files=False)
+    load_config(
+        argv=base
+        + ["--reward.kwargs", "{soft_cache_length: 8}", "--rollout.scheduler", "tool_call", "--rollout.max_turns", "3"],
+        check_files=False,
+    )
 
 
 @register_reward("_t_columns")
@@ -170,7 +191,8 @@ def test_a_reward_that_sleeps_forever_is_killed_and_only_its_sample_fails(tmp_pa
     from mgrpo.rewards.pool import shared_pool
 
     plugin = tmp_path / "sleepy_plugin.py"
-    plugin.write_text(textwrap.dedent('''
+    plugin.write_text(
+        textwrap.dedent("""
         import time
         from mgrpo.rewards import register_reward
 
@@ -179,7 +201,8 @@ def test_a_reward_that_sleeps_forever_is_killed_and_only_its_sample_fails(tmp_pa
             if "hang" in completion:
                 time.sleep(10 ** 6)
             return float(len(completion))
-    '''))
+    """)
+    )
     load_plugins([str(plugin)])
     opts = ScoreOptions(timeout_s=1.5, workers=2, plugins=(str(plugin),))
     samples = [sample("ok"), sample("hang here"), sample("fine"), sample("also ok!")]

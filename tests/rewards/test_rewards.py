@@ -1,5 +1,6 @@
 """Reward semantics: None = not applicable (nansum; all None gives 0), NaN or a raise = the sample failed (NaN
 reward, a warning, left out of advantages and loss), the wrong number of values = an error naming the function."""
+
 import logging
 import math
 
@@ -91,8 +92,10 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     for x in s:
         x.group_id = 0
     score(s, None, ["_t_const", "_t_nan_for_2"])
-    cfg = load_config(argv=["--model.path", "m", "--algorithm.aggregation", "seq-mean-token-sum",
-                            "--train.micro_batch_size", "4"], check_files=False)
+    cfg = load_config(
+        argv=["--model.path", "m", "--algorithm.aggregation", "seq-mean-token-sum", "--train.micro_batch_size", "4"],
+        check_files=False,
+    )
     batch = build_generation_batch(s, cfg, pad_id=0)
     mb = batch.minibatches[0].microbatches[0]
     assert mb["loss_mask"][2].sum() == 0 and mb["token_weight"][2].sum() == 0
@@ -100,8 +103,13 @@ def test_failed_samples_get_no_advantage_no_loss_and_leave_the_counts(single_ran
     adv = compute_advantages("grpo", batch.rewards, batch.group_ids, cfg.algorithm)
     assert adv[2] == 0 and torch.isfinite(adv).all()
     stats = reward_metrics(s, ["_t_const", "_t_nan_for_2"])
-    assert stats == {"reward/mean": 1.0, "reward/std": 0.0, "reward/failed": 1, "reward/_t_const": 1.0,
-                     "reward/_t_nan_for_2": 0.0}
+    assert stats == {
+        "reward/mean": 1.0,
+        "reward/std": 0.0,
+        "reward/failed": 1,
+        "reward/_t_const": 1.0,
+        "reward/_t_nan_for_2": 0.0,
+    }
 
 
 def test_reward_std_is_never_nan():

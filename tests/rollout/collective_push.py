@@ -4,6 +4,7 @@ servers (`--transport collective`; `--engine sglang`: SGLang's protocol); rank 0
     torchrun --nproc-per-node 4 tests/rollout/collective_push.py --tp 2 --pp 2 --model DIR --servers URL,URL \
         --version 7 --run-id tests
 """
+
 import argparse
 import json
 import os
@@ -58,8 +59,10 @@ def main() -> None:
     from mgrpo.rollout.engines.remote import RemoteEngine
     from mgrpo.rollout.transports.collective import CollectiveTransport
 
-    cfg = load_config(argv=["--model.path", args.model, "--parallel.tp", str(args.tp),
-                            "--parallel.pp", str(args.pp)], check_files=False)
+    cfg = load_config(
+        argv=["--model.path", args.model, "--parallel.tp", str(args.tp), "--parallel.pp", str(args.pp)],
+        check_files=False,
+    )
     init_distributed()
     setup_model_parallel(cfg.parallel)
     actor = Actor(cfg, args.model, train=False)
@@ -68,8 +71,12 @@ def main() -> None:
         from mgrpo.rollout.engines.sglang import SGLangEngine as RemoteEngine  # noqa: F811
         from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport as CollectiveTransport
     if dist.get_rank() == 0:
-        engine = RemoteEngine(args.servers.split(","), os.environ["MGRPO_SERVER_TOKEN"],
-                              load_tokenizer(args.model).eos_token_id, run_id=args.run_id)
+        engine = RemoteEngine(
+            args.servers.split(","),
+            os.environ["MGRPO_SERVER_TOKEN"],
+            load_tokenizer(args.model).eos_token_id,
+            run_id=args.run_id,
+        )
     transport = CollectiveTransport(engine, args.bucket_mb << 20)
     peak = PeakRSS()
     receipt = transport.send_model(actor.models(), args.version)

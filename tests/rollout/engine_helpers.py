@@ -1,5 +1,6 @@
 """Shared by the engine tests: fixed requests, a sync call into an async engine, and the trainer's own (megatron)
 forward as the reference an engine's logprobs must equal."""
+
 import asyncio
 
 import torch
@@ -12,12 +13,14 @@ PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 
 
 
 def reqs(seed=0, n=2, prompts=PROMPTS):
-    return [GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts)
-            for j in range(n)]
+    return [
+        GenerationRequest(p, request_seed(seed, 0, i, j), f"{i}-{j}") for i, p in enumerate(prompts) for j in range(n)
+    ]
 
 
 def run(engine, requests, sp):
     return asyncio.run(engine.generate(requests, sp))
+
 
 _ACTORS = {}
 
@@ -28,8 +31,9 @@ def trainer_actor(model_dir: str, temperature: float = 1.0):
 
     key = (model_dir, temperature)
     if key not in _ACTORS:
-        cfg = load_config(argv=["--model.path", model_dir, "--rollout.temperature", str(temperature)],
-                          check_files=False)
+        cfg = load_config(
+            argv=["--model.path", model_dir, "--rollout.temperature", str(temperature)], check_files=False
+        )
         _ACTORS[key] = Actor(cfg, model_dir, train=False)
     return _ACTORS[key]
 
@@ -60,8 +64,10 @@ def diffs_after_push(engine, version, model_dir, temperature):
     from mgrpo.rollout.types import SamplingParams
 
     worst = {}
-    for label, sp, temp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
-                            (f"T={temperature}", SamplingParams(temperature=temperature, max_tokens=12), temperature)):
+    for label, sp, temp in (
+        ("greedy", SamplingParams(temperature=0.0, max_tokens=12), 1.0),
+        (f"T={temperature}", SamplingParams(temperature=temperature, max_tokens=12), temperature),
+    ):
         out = run(engine, reqs(seed=3), sp)
         assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
         worst[label] = worst_diff(out, reqs(seed=3), model_dir, temp)

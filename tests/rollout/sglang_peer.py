@@ -20,6 +20,7 @@ patches transformers, so never in pytest's own process). It judges with SGLang's
 Two SGLang modules that import torchvision at import time (vision model configs, unused here) are replaced by empty
 stand-ins: the PyPI torchvision does not load beside the CPU build of torch.
 """
+
 import json
 import sys
 import types
@@ -46,14 +47,16 @@ def check(path: str) -> list:
     from sglang.srt.managers import io_struct
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    classes = {"/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
-               "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
-               "/destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput,
-               "/begin_weight_update": io_struct.BeginWeightUpdateReqInput,
-               "/end_weight_update": io_struct.EndWeightUpdateReqInput,
-               "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
-               "/pause_generation": io_struct.PauseGenerationReqInput,
-               "/continue_generation": io_struct.ContinueGenerationReqInput}
+    classes = {
+        "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
+        "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
+        "/destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput,
+        "/begin_weight_update": io_struct.BeginWeightUpdateReqInput,
+        "/end_weight_update": io_struct.EndWeightUpdateReqInput,
+        "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
+        "/pause_generation": io_struct.PauseGenerationReqInput,
+        "/continue_generation": io_struct.ContinueGenerationReqInput,
+    }
     out = []
     for item in json.load(open(path)):
         route, body = item["route"], item["body"]
@@ -79,8 +82,10 @@ def check(path: str) -> list:
                 pydantic.TypeAdapter(cls).validate_python(body)
             extra = sorted(set(body) - known)
             if extra:
-                raise ValueError(f"fields {cls.__name__ if route in classes else route} does not declare "
-                                 f"(SGLang would ignore them): {extra}")
+                raise ValueError(
+                    f"fields {cls.__name__ if route in classes else route} does not declare "
+                    f"(SGLang would ignore them): {extra}"
+                )
             out.append({"route": route, "ok": True, "error": ""})
         except Exception as exc:  # noqa: BLE001
             out.append({"route": route, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]})
@@ -91,22 +96,34 @@ def answer(path: str) -> list:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.utils.json_response import dumps_json
-    from sglang.srt.utils.weight_versions import (WeightVersionEvent, add_weight_versions_to_meta_info,
-                                                  compute_weight_version_spans)
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
 
     out = []
     for g in json.load(open(path)):
         ids = g["output_ids"]
-        finish = {"stop": lambda: FINISH_MATCHED_TOKEN(ids[-1]), "length": lambda: FINISH_LENGTH(len(ids)),
-                  "abort": lambda: FINISH_ABORT("client aborted")}[g["finish"]]().to_json()
-        meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": 3, "weight_version": g["versions"][-1],
-                "num_retractions": 0}
+        finish = {
+            "stop": lambda: FINISH_MATCHED_TOKEN(ids[-1]),
+            "length": lambda: FINISH_LENGTH(len(ids)),
+            "abort": lambda: FINISH_ABORT("client aborted"),
+        }[g["finish"]]().to_json()
+        meta = {
+            "id": "rid",
+            "finish_reason": finish,
+            "prompt_tokens": 3,
+            "weight_version": g["versions"][-1],
+            "num_retractions": 0,
+        }
         meta["output_token_logprobs"] = TokenizerManager.detokenize_logprob_tokens(None, g["logprobs"], ids, False)
         meta["output_token_logprobs_length"] = len(ids)
         # a version change mid-request: SGLang records (old version, tokens made so far) at each update
         events = [WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in g.get("events", [])]
-        add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, g["versions"][-1], len(ids)),
-                                         len(ids))
+        add_weight_versions_to_meta_info(
+            meta, compute_weight_version_spans(events, g["versions"][-1], len(ids)), len(ids)
+        )
         meta.update({"reasoning_tokens": 0, "completion_tokens": len(ids), "cached_tokens": 0})
         out.append(json.loads(dumps_json({"output_ids": list(ids), "meta_info": meta})))
     return out
@@ -118,8 +135,19 @@ def argv(path: str) -> dict:
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(json.load(open(path)))
-    return {k: getattr(args, k) for k in ("model_path", "host", "port", "api_key", "admin_api_key",
-                                          "skip_tokenizer_init", "weight_version", "dtype")}
+    return {
+        k: getattr(args, k)
+        for k in (
+            "model_path",
+            "host",
+            "port",
+            "api_key",
+            "admin_api_key",
+            "skip_tokenizer_init",
+            "weight_version",
+            "dtype",
+        )
+    }
 
 
 def receive(init_path: str, tp_rank: int, meta_path: str, out_path: str) -> None:
@@ -129,9 +157,17 @@ def receive(init_path: str, tp_rank: int, meta_path: str, out_path: str) -> None
 
     # SGLang's scheduler has its own default group (its TP group) when it joins; here: a group of one
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=None, update_model_fields=None, recapture_cuda_graph=None,
-                            get_model_runner=None)  # the group and receive paths use only these
+    updater = WeightUpdater(
+        tp_rank=tp_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=None,
+        update_model_fields=None,
+        recapture_cuda_graph=None,
+        get_model_runner=None,
+    )  # the group and receive paths use only these
     init = json.load(open(init_path))  # the body of mgrpo's /init_weights_update_group request
     ok, message = updater.init_weights_update_group(**init)
     if not ok:
@@ -140,8 +176,12 @@ def receive(init_path: str, tp_rank: int, meta_path: str, out_path: str) -> None
     for m in json.load(open(meta_path)):  # what mgrpo's /update_weights_from_distributed requests carried
         body = json.loads(json.dumps(m))
         for name, tensor in updater.receive_weights_from_distributed(
-                names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"], group_name=body["group_name"],
-                load_format=body["load_format"]):
+            names=body["names"],
+            dtypes=body["dtypes"],
+            shapes=body["shapes"],
+            group_name=body["group_name"],
+            load_format=body["load_format"],
+        ):
             got[name] = tensor.clone()
     save_file(got, out_path)
 

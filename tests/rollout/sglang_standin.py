@@ -8,9 +8,9 @@ weight-route calls in order. Like SGLang with `--admin-api-key`, every route but
 
     PYTHONPATH=.sglang python tests/rollout/sglang_standin.py --port P --dump DIR   (key in MGRPO_SGLANG_ADMIN_KEY)
 """
+
 import argparse
 import asyncio
-import json
 import os
 import sys
 
@@ -33,18 +33,28 @@ def main() -> None:
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=None, update_model_fields=None, recapture_cuda_graph=None,
-                            get_model_runner=None)
+    updater = WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=None,
+        update_model_fields=None,
+        recapture_cuda_graph=None,
+        get_model_runner=None,
+    )
     weights, calls, lock, version = {}, [], asyncio.Lock(), ["0"]
     delay = os.path.join(args.dump, "receive-delay")  # tests: seconds to wait before each bucket, if it exists
-    parse = {"/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
-             "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
-             "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
-             "/pause_generation": io_struct.PauseGenerationReqInput,
-             "/continue_generation": io_struct.ContinueGenerationReqInput,
-             "/begin_weight_update": io_struct.BeginWeightUpdateReqInput,
-             "/end_weight_update": io_struct.EndWeightUpdateReqInput}
+    parse = {
+        "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
+        "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
+        "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
+        "/pause_generation": io_struct.PauseGenerationReqInput,
+        "/continue_generation": io_struct.ContinueGenerationReqInput,
+        "/begin_weight_update": io_struct.BeginWeightUpdateReqInput,
+        "/end_weight_update": io_struct.EndWeightUpdateReqInput,
+    }
 
     async def handle(request: web.Request) -> web.Response:
         path = request.path
@@ -67,15 +77,26 @@ def main() -> None:
                 obj = pydantic.TypeAdapter(parse[path]).validate_python(body) if path in parse else None
                 if path == "/init_weights_update_group":
                     ok, msg = await asyncio.to_thread(
-                        updater.init_weights_update_group, obj.master_address, obj.master_port, obj.rank_offset,
-                        obj.world_size, obj.group_name, obj.backend)
+                        updater.init_weights_update_group,
+                        obj.master_address,
+                        obj.master_port,
+                        obj.rank_offset,
+                        obj.world_size,
+                        obj.group_name,
+                        obj.backend,
+                    )
                     return web.json_response({"success": ok, "message": msg}, status=200 if ok else 400)
                 if path == "/update_weights_from_distributed":
                     if os.path.exists(delay):
                         await asyncio.sleep(float(open(delay).read() or 0))
-                    got = await asyncio.to_thread(updater.receive_weights_from_distributed, names=obj.names,
-                                                  dtypes=obj.dtypes, shapes=obj.shapes, group_name=obj.group_name,
-                                                  load_format=obj.load_format)
+                    got = await asyncio.to_thread(
+                        updater.receive_weights_from_distributed,
+                        names=obj.names,
+                        dtypes=obj.dtypes,
+                        shapes=obj.shapes,
+                        group_name=obj.group_name,
+                        load_format=obj.load_format,
+                    )
                     weights.update({n: t.clone() for n, t in got})
                 elif path == "/update_weight_version":
                     save_file(dict(weights), os.path.join(args.dump, f"v{obj.new_version}.safetensors"))

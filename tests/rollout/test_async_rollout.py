@@ -7,6 +7,7 @@
 - a run resumed from a checkpoint taken while the next batch was in flight (one_step_off) trains the stored batch
   and continues bitwise as the uninterrupted run.
 """
+
 import os
 
 import pytest
@@ -22,9 +23,20 @@ def make(tmp_path, tiny_dirs, *extra):
     from mgrpo.trainer import GRPOTrainer
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false", *extra])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(ROOT, "examples/data/tiny_prompts.jsonl"),
+            "--logging.output_dir",
+            str(tmp_path / "run"),
+            "--logging.progress_bar",
+            "false",
+            *extra,
+        ],
+    )
     cfg.model.tiny = None
     return GRPOTrainer(cfg)
 
@@ -40,14 +52,17 @@ def weights(trainer):
 def test_staleness_zero_is_bitwise_sync(single_rank, tmp_path, tiny_dirs):
     sync = make(tmp_path / "sync", tiny_dirs, "--train.steps", "6")
     h_sync, w_sync = sync.fit(), weights(sync)
-    zero = make(tmp_path / "zero", tiny_dirs, "--train.steps", "6", "--rollout.mode", "async",
-                "--rollout.max_staleness", "0")
+    zero = make(
+        tmp_path / "zero", tiny_dirs, "--train.steps", "6", "--rollout.mode", "async", "--rollout.max_staleness", "0"
+    )
     assert zero.producer.threaded and zero.producer.k == 0
     h_zero, w_zero = zero.fit(), weights(zero)
     assert logged(h_sync) == logged(h_zero)
     assert all(torch.equal(w_sync[n], w_zero[n]) for n in w_sync)
-    print(f"async, max_staleness 0: 6 steps, {len(logged(h_sync)[0])} metrics per step and all "
-          f"{len(w_sync)} weights bitwise equal to sync")
+    print(
+        f"async, max_staleness 0: 6 steps, {len(logged(h_sync)[0])} metrics per step and all "
+        f"{len(w_sync)} weights bitwise equal to sync"
+    )
 
 
 @pytest.mark.parametrize("mode", ["async", "one_step_off"])
@@ -80,8 +95,10 @@ def test_ahead_modes_learn_and_use_every_sample_once(single_rank, tmp_path, tiny
     first, last = (sum(h["reward/mean"] for h in part) / 5 for part in (history[:5], history[-5:]))
     dropped = sum(h["async/discarded"] for h in history)
     stale = [h["async/staleness_max"] for h in history]
-    print(f"{mode}: reward first5 {first:.4f} last5 {last:.4f}; {len(generated)} samples generated, "
-          f"{len(trained)} trained, {dropped} dropped; staleness max per step {stale}")
+    print(
+        f"{mode}: reward first5 {first:.4f} last5 {last:.4f}; {len(generated)} samples generated, "
+        f"{len(trained)} trained, {dropped} dropped; staleness max per step {stale}"
+    )
     assert len(trained) == len(set(trained)), "a sample trained twice"
     assert sorted(trained) == sorted(generated) and dropped == 0, "a sample lost"
     assert max(stale) == bound and all(s <= bound for s in stale)
@@ -93,14 +110,23 @@ def test_resume_with_a_batch_in_flight_continues_bitwise(single_rank, tmp_path, 
     whole = make(tmp_path / "whole", tiny_dirs, *args, "--checkpoint.save_dir", str(tmp_path / "ckpt"))
     h_whole, w_whole = whole.fit(), weights(whole)
     ckpt = os.path.join(tmp_path, "ckpt", "step_000003")
-    resumed = make(tmp_path / "resumed", tiny_dirs, *args, "--checkpoint.save_dir", str(tmp_path / "ckpt2"),
-                   "--checkpoint.resume", ckpt)
+    resumed = make(
+        tmp_path / "resumed",
+        tiny_dirs,
+        *args,
+        "--checkpoint.save_dir",
+        str(tmp_path / "ckpt2"),
+        "--checkpoint.resume",
+        ckpt,
+    )
     assert resumed.start_step == 3 and 3 in resumed.producer.pending, "the stored in-flight batch is restored"
     h_resumed, w_resumed = resumed.fit(), weights(resumed)
     assert logged(h_whole)[3:] == logged(h_resumed)
     assert all(torch.equal(w_whole[n], w_resumed[n]) for n in w_whole)
-    print("one_step_off resumed at step 3 with step 3's batch in flight: steps 3-5 and the final weights bitwise "
-          "equal to the uninterrupted run")
+    print(
+        "one_step_off resumed at step 3 with step 3's batch in flight: steps 3-5 and the final weights bitwise "
+        "equal to the uninterrupted run"
+    )
 
 
 def test_truncated_is_weights_the_loss_received(single_rank, tmp_path, tiny_dirs, monkeypatch):
@@ -119,6 +145,7 @@ def test_truncated_is_weights_the_loss_received(single_rank, tmp_path, tiny_dirs
         def wrapped(logp, old_logp, advantages, mask, cfg, **kw):
             received.append((old_logp.detach().double(), mask.double(), kw["rollout_is_weights"].detach().double()))
             return fn(logp, old_logp, advantages, mask, cfg, **kw)
+
         return wrapped
 
     monkeypatch.setattr(mgrpo.actor, "policy_loss", recording_loss)
@@ -135,6 +162,8 @@ def test_truncated_is_weights_the_loss_received(single_rank, tmp_path, tiny_dirs
         worst = max(worst, float((w * mask - ref).abs().max()))
         off_one = max(off_one, float(((ref - 1) * mask).abs().max()))
     stale = max(h["async/staleness_max"] for h in history)
-    print(f"async TIS: {len(received)} micro-batches, max |w - float64 reference| {worst:.2e}, max |w - 1| "
-          f"{off_one:.3f}, staleness up to {stale}")
+    print(
+        f"async TIS: {len(received)} micro-batches, max |w - float64 reference| {worst:.2e}, max |w - 1| "
+        f"{off_one:.3f}, staleness up to {stale}"
+    )
     assert worst <= 1e-6 and off_one > 1e-2 and stale == 2

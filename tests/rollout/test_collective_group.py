@@ -1,6 +1,7 @@
 """The collective plane's groups and wire (`transports/collective_group.py`) between two plain processes: a sender
 and a receiver join a group on a TCPStore under a nonce; buckets of mixed dtypes (an empty one included) arrive
 bit-exact and in order, then END. Over gloo here; over NCCL (marked gpu) where two GPUs exist."""
+
 import datetime
 import multiprocessing as mp
 
@@ -13,9 +14,12 @@ from mgrpo.resharding.bucket import pack_bucket
 
 def _tensors(seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [[("a", torch.randn(3, 5, generator=g)), ("b", torch.randint(0, 9, (7,), generator=g))],
-            [("c", torch.randn(64, 33, generator=g).to(torch.bfloat16))], [],
-            [("d", torch.randn(1000, generator=g))]]
+    return [
+        [("a", torch.randn(3, 5, generator=g)), ("b", torch.randint(0, 9, (7,), generator=g))],
+        [("c", torch.randn(64, 33, generator=g).to(torch.bfloat16))],
+        [],
+        [("d", torch.randn(1000, generator=g))],
+    ]
 
 
 def _peer(rank: int, port: int, backend: str, out):
@@ -41,15 +45,17 @@ def _peer(rank: int, port: int, backend: str, out):
         want = [items for items in _tensors(1)]
         same = len(got) == len(want) and all(
             [n for n, _ in g] == [n for n, _ in w] and all(torch.equal(a, b) for (_, a), (_, b) in zip(g, w))
-            for g, w in zip(got, want))
+            for g, w in zip(got, want)
+        )
         out.put(("received", same, len(got)))
     group.close()
 
 
 def _run(backend: str):
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     out = ctx.Queue()
     procs = [ctx.Process(target=_peer, args=(r, store.port, backend, out)) for r in range(2)]
     for p in procs:

@@ -7,6 +7,7 @@ stage) both replicas hold the version and their greedy and seeded logprobs equal
 peer with a wrong nonce is refused; a server killed mid-broadcast fails the update within the timeout, is
 excluded, and after a restart gets new groups and the current weights. The tiny task trains end to end.
 """
+
 import json
 import os
 import signal
@@ -16,7 +17,6 @@ import threading
 import time
 
 import pytest
-
 from engine_helpers import diffs_after_push, reqs, run
 from servers import ROOT, TOKEN, Server
 
@@ -33,11 +33,24 @@ def env(tiny_dirs, tmp_path_factory):
     delay = logs / "receive-delay"  # the worker waits this many seconds before it receives (tests only)
     args = ["--transport", "collective", "--collective-join-timeout-s", "8", "--update-timeout-s", "60"]
     # server 1 loads each bucket as it arrives (--collective-stream, the GPU default), server 0 stages them first
-    servers = [Server(base, free_port(), str(logs / f"server{i}.log"), args=args + ["--collective-stream", mode],
-                      env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)}) for i, mode in enumerate(("off", "on"))]
-    yield {"servers": servers, "base": base, "delay": delay, "logs": logs,
-           "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99),
-           "other": tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)}
+    servers = [
+        Server(
+            base,
+            free_port(),
+            str(logs / f"server{i}.log"),
+            args=args + ["--collective-stream", mode],
+            env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)},
+        )
+        for i, mode in enumerate(("off", "on"))
+    ]
+    yield {
+        "servers": servers,
+        "base": base,
+        "delay": delay,
+        "logs": logs,
+        "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99),
+        "other": tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100),
+    }
     for s in servers:
         s.stop()
 
@@ -46,8 +59,9 @@ def connect(servers, **kw):
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.remote import RemoteEngine
 
-    return RemoteEngine([s.url for s in servers], TOKEN, load_tokenizer(servers[0].model).eos_token_id,
-                        run_id=RUN, **kw)
+    return RemoteEngine(
+        [s.url for s in servers], TOKEN, load_tokenizer(servers[0].model).eos_token_id, run_id=RUN, **kw
+    )
 
 
 def versions(servers):
@@ -56,6 +70,7 @@ def versions(servers):
 
 def test_tp1_push_equals_the_trainer_on_both_replicas(single_rank, env):
     from engine_helpers import trainer_actor
+
     from mgrpo.rollout.transports.collective import CollectiveTransport
 
     engine = connect(env["servers"])
@@ -78,12 +93,35 @@ def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, vers
     from mgrpo.parallel.distributed import free_port
 
     model = env["new"] if pp == 1 else env["other"]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
-                        "--master-port", str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
-                        "--tp", str(tp), "--pp", str(pp), "--model", model, "--version", str(version),
-                        "--servers", ",".join(s.url for s in env["servers"]), "--run-id", RUN],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(tp * pp),
+            "--master-port",
+            str(free_port()),
+            os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--model",
+            model,
+            "--version",
+            str(version),
+            "--servers",
+            ",".join(s.url for s in env["servers"]),
+            "--run-id",
+            RUN,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     receipt = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
     print(f"TP{tp}xPP{pp} receipt:", receipt)
@@ -109,6 +147,7 @@ def test_a_wrong_nonce_is_refused(env):
 
 def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env):
     from engine_helpers import trainer_actor
+
     from mgrpo.rollout.transports.collective import CollectiveTransport
     from mgrpo.rollout.types import SamplingParams
 
@@ -124,8 +163,10 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env)
     took = time.time() - t0
     env["delay"].unlink()
     killer.join()
-    print(f"killed mid-broadcast: {took:.1f} s, receipt servers {receipt['servers']}, "
-          f"{servers[1].url}: {engine.replicas[1].last_error[:200]}")
+    print(
+        f"killed mid-broadcast: {took:.1f} s, receipt servers {receipt['servers']}, "
+        f"{servers[1].url}: {engine.replicas[1].last_error[:200]}"
+    )
     assert receipt["servers"] == [servers[0].url[7:]] and not engine.replicas[1].up and took < 30
     assert versions(servers[:1]) == [6]
     servers[1].stop()
@@ -140,16 +181,42 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env)
 
 def test_the_tiny_task_trains_with_collective_sync(env, tmp_path):
     out = tmp_path / "run"
-    env_vars = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                  "MASTER_PORT")}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                        os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", env["base"],
-                        "--rollout.engine", "remote", "--rollout.servers", ",".join(s.url for s in env["servers"]),
-                        "--rollout.remote.transport", "collective", "--rollout.remote.take_over", "true",
-                        "--train.steps", "12", "--logging.output_dir", str(out), "--logging.progress_bar", "false",
-                        "--logging.report", "false"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(env_vars, MGRPO_SERVER_TOKEN=TOKEN),
-                       timeout=900)
+    env_vars = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "train_grpo.py"),
+            "--config",
+            os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+            "--model.path",
+            env["base"],
+            "--rollout.engine",
+            "remote",
+            "--rollout.servers",
+            ",".join(s.url for s in env["servers"]),
+            "--rollout.remote.transport",
+            "collective",
+            "--rollout.remote.take_over",
+            "true",
+            "--train.steps",
+            "12",
+            "--logging.output_dir",
+            str(out),
+            "--logging.progress_bar",
+            "false",
+            "--logging.report",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(env_vars, MGRPO_SERVER_TOKEN=TOKEN),
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first5 = sum(m["reward/mean"] for m in rows[:5]) / 5

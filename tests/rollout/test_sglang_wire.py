@@ -10,6 +10,7 @@ CUDA-only; see the README's SGLang section). SGLang's side runs in a subprocess 
   `init_custom_process_group` and `WeightUpdater.receive_weights_from_distributed`, at two receiving workers (a TP2
   server: rank offset 1), over gloo.
 """
+
 import json
 import multiprocessing as mp
 import os
@@ -19,11 +20,19 @@ import sys
 import pytest
 import torch
 
+from mgrpo.resharding.stream_pack import StreamPacker
 from mgrpo.rollout.engines.remote import RemoteEngineError
 from mgrpo.rollout.engines.sglang import SGLangEngine, parse_generate
-from mgrpo.resharding.stream_pack import StreamPacker
-from mgrpo.rollout.transports.collective_sglang import (BEGIN, END, FLUSH, PAUSE, RESUME, bucket_body,
-                                                        init_group_body, version_body)
+from mgrpo.rollout.transports.collective_sglang import (
+    BEGIN,
+    END,
+    FLUSH,
+    PAUSE,
+    RESUME,
+    bucket_body,
+    init_group_body,
+    version_body,
+)
 from mgrpo.rollout.types import GenerationRequest, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,8 +53,9 @@ def peer(*args, timeout=240) -> subprocess.CompletedProcess:
     if not os.path.isdir(os.path.join(SGLANG, "sglang")):
         pytest.fail(f"{SGLANG} is missing: run bash scripts/setup.sh (it installs SGLang's package there)")
     env = dict(os.environ, PYTHONPATH=SGLANG, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, PEER, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, PEER, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def run_json(mode: str, payload, tmp_path):
@@ -65,34 +75,56 @@ def _engine(eos=2):
 def test_request_bodies_pass_sglangs_own_parsers(tmp_path):
     e = _engine()
     req = GenerationRequest([5, 6, 7], seed=2**62 + 12345)
-    gen = [e.request_body(req, SamplingParams(temperature=0.0, max_tokens=16)),
-           e.request_body(req, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=8)),
-           e.request_body(req, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)),
-           _engine(None).request_body(req, SamplingParams())]
+    gen = [
+        e.request_body(req, SamplingParams(temperature=0.0, max_tokens=16)),
+        e.request_body(req, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=8)),
+        e.request_body(req, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)),
+        _engine(None).request_body(req, SamplingParams()),
+    ]
     meta = pack_flattened([("b", torch.zeros(2, 2)), ("a", torch.zeros(3, dtype=torch.bfloat16))])[1]
-    control = [init_group_body("127.0.0.1", 29500, 2, "mgrpo-abc-stage0", "gloo"), PAUSE, BEGIN,
-               ("/update_weights_from_distributed", bucket_body(meta, "mgrpo-abc-stage1")), END, FLUSH,
-               ("/update_weight_version", version_body(7)), RESUME]
+    control = [
+        init_group_body("127.0.0.1", 29500, 2, "mgrpo-abc-stage0", "gloo"),
+        PAUSE,
+        BEGIN,
+        ("/update_weights_from_distributed", bucket_body(meta, "mgrpo-abc-stage1")),
+        END,
+        FLUSH,
+        ("/update_weight_version", version_body(7)),
+        RESUME,
+    ]
     control = [("/init_weights_update_group", control[0])] + control[1:]
     bad_sampling = dict(gen[1], sampling_params=dict(gen[1]["sampling_params"], max_tokens=8))  # vLLM's name
     bad_value = dict(gen[1], sampling_params=dict(gen[1]["sampling_params"], temperature=-1.0))
     bad_control = ("/update_weight_version", {"version": "7", "abort_all_requests": False})  # not new_version
-    items = [{"route": "/generate", "body": b} for b in gen] + [{"route": r, "body": b} for r, b in control] + \
-        [{"route": "/generate", "body": bad_sampling}, {"route": "/generate", "body": bad_value},
-         {"route": bad_control[0], "body": bad_control[1]}]
+    items = (
+        [{"route": "/generate", "body": b} for b in gen]
+        + [{"route": r, "body": b} for r, b in control]
+        + [
+            {"route": "/generate", "body": bad_sampling},
+            {"route": "/generate", "body": bad_value},
+            {"route": bad_control[0], "body": bad_control[1]},
+        ]
+    )
     out = run_json("check", items, tmp_path)
     print(json.dumps(out, indent=1))
-    good, bad = out[:len(gen) + len(control)], out[len(gen) + len(control):]
+    good, bad = out[: len(gen) + len(control)], out[len(gen) + len(control) :]
     assert all(x["ok"] for x in good), [x for x in good if not x["ok"]]
     assert [x["ok"] for x in bad] == [False, False, False]  # negative controls: SGLang's parsers refuse them
     assert "max_tokens" in bad[0]["error"] and "UpdateWeightVersionReqInput" in bad[2]["error"]
 
 
 def test_answers_built_by_sglang_parse_into_tokens_logprobs_and_versions(tmp_path):
-    gens = [{"output_ids": [11, 12, 2], "logprobs": [-0.5, -1.25, -0.125], "finish": "stop", "versions": "4"},
-            {"output_ids": [9, 9, 9, 9], "logprobs": [-2.0, -0.0, -3.5, -1.0], "finish": "length", "versions": "4",
-             "events": [["3", 2]]},  # tokens 0-1 from version 3, 2-3 from version 4
-            {"output_ids": [], "logprobs": [], "finish": "abort", "versions": "5"}]
+    gens = [
+        {"output_ids": [11, 12, 2], "logprobs": [-0.5, -1.25, -0.125], "finish": "stop", "versions": "4"},
+        {
+            "output_ids": [9, 9, 9, 9],
+            "logprobs": [-2.0, -0.0, -3.5, -1.0],
+            "finish": "length",
+            "versions": "4",
+            "events": [["3", 2]],
+        },  # tokens 0-1 from version 3, 2-3 from version 4
+        {"output_ids": [], "logprobs": [], "finish": "abort", "versions": "5"},
+    ]
     answers = run_json("answer", gens, tmp_path)
     got = [parse_generate(a, "s1") for a in answers]
     assert [g.token_ids for g in got] == [[11, 12, 2], [9, 9, 9, 9], []]
@@ -110,25 +142,41 @@ def test_the_guards_sglang_command_line_parses_with_sglangs_own_cli(tmp_path):
     cmd = sglang_command("/models/qwen", 30123, "k" * 43, ["--dtype", "float32"])
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     got = run_json("argv", cmd[3:], tmp_path)
-    assert got == {"model_path": "/models/qwen", "host": "127.0.0.1", "port": 30123, "api_key": "k" * 43,
-                   "admin_api_key": "k" * 43, "skip_tokenizer_init": True, "weight_version": "0", "dtype": "float32"}
+    assert got == {
+        "model_path": "/models/qwen",
+        "host": "127.0.0.1",
+        "port": 30123,
+        "api_key": "k" * 43,
+        "admin_api_key": "k" * 43,
+        "skip_tokenizer_init": True,
+        "weight_version": "0",
+        "dtype": "float32",
+    }
 
 
 def _tensors():
     g = torch.Generator().manual_seed(3)
-    return [[("counts", torch.randint(0, 9, (3,), generator=g, dtype=torch.int64)),
-             ("model.norm.weight", torch.randn(7, generator=g)),
-             ("model.embed_tokens.weight", torch.randn(33, 16, generator=g).to(torch.bfloat16)),
-             ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 3, generator=g).half())],
-            [("lm_head.weight", torch.randn(64, 16, generator=g))]]
+    return [
+        [
+            ("counts", torch.randint(0, 9, (3,), generator=g, dtype=torch.int64)),
+            ("model.norm.weight", torch.randn(7, generator=g)),
+            ("model.embed_tokens.weight", torch.randn(33, 16, generator=g).to(torch.bfloat16)),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 3, generator=g).half()),
+        ],
+        [("lm_head.weight", torch.randn(64, 16, generator=g))],
+    ]
 
 
 def _sender(group_name: str, workers: int, q) -> None:
     from mgrpo.rollout.transports.collective_sglang import SenderGroup
 
     group = SenderGroup("127.0.0.1", group_name, "gloo", timeout_s=60)
-    q.put((init_group_body("127.0.0.1", group.port, workers, group_name, "gloo"),
-           [bucket_body(pack_flattened(items)[1], group_name) for items in _tensors()]))
+    q.put(
+        (
+            init_group_body("127.0.0.1", group.port, workers, group_name, "gloo"),
+            [bucket_body(pack_flattened(items)[1], group_name) for items in _tensors()],
+        )
+    )
     group.join(1 + workers)
     for items in _tensors():
         flat, _ = pack_flattened(items)
@@ -148,10 +196,24 @@ def test_flattened_buckets_reach_sglangs_own_receiver_bit_exact(tmp_path):
     (tmp_path / "init.json").write_text(json.dumps(init))
     (tmp_path / "buckets.json").write_text(json.dumps(bodies))
     env = dict(os.environ, PYTHONPATH=SGLANG, PYTHONWARNINGS="ignore")
-    receivers = [subprocess.Popen([sys.executable, PEER, "receive", str(tmp_path / "init.json"), str(w),
-                                   str(tmp_path / "buckets.json"), str(tmp_path / f"got{w}.st")],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for w in range(workers)]
+    receivers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                PEER,
+                "receive",
+                str(tmp_path / "init.json"),
+                str(w),
+                str(tmp_path / "buckets.json"),
+                str(tmp_path / f"got{w}.st"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(workers)
+    ]
     outs = [p.communicate(timeout=240) for p in receivers]
     for p, (_, err) in zip(receivers, outs):
         assert p.returncode == 0, err[-3000:]

@@ -1,6 +1,7 @@
 """The shared-memory transport's control socket has a deadline: an engine that takes every bucket and then never
 answers fails the update within rollout.request_timeout_s, naming the engine; it does not block the run forever.
 The engine here is a scripted stand-in that speaks the transport's wire (this tests the transport, not vLLM)."""
+
 import os
 import threading
 import time
@@ -17,8 +18,13 @@ from mgrpo.rollout.transports.shared_memory import SharedMemoryTransport
 def silent_engine(tmp_dir: str, answers: bool):
     """Receives the update, connects to the weight channel, takes every bucket, acknowledges them on the channel,
     and then (answers=False) never sends its receipt on the control socket."""
-    engine = SimpleNamespace(name="stand-in", dir=tmp_dir, token=local_rpc.new_token(), dtype="float32",
-                             socket=os.path.join(tmp_dir, "engine.sock"))
+    engine = SimpleNamespace(
+        name="stand-in",
+        dir=tmp_dir,
+        token=local_rpc.new_token(),
+        dtype="float32",
+        socket=os.path.join(tmp_dir, "engine.sock"),
+    )
     listener = local_rpc.listener(engine.socket)
 
     def serve():

@@ -5,6 +5,7 @@ tampered or incomplete update is rejected with the old version still serving; th
 
 One engine serves the whole module (a start costs ~30 s on 2 cores); every test pushes the weights it needs.
 """
+
 import itertools
 import json
 import os
@@ -17,12 +18,12 @@ import time
 
 import pytest
 import torch
-
-from mgrpo.rollout.transports.base import WeightSyncError
-from mgrpo.rollout.types import SamplingParams
-from mgrpo.rollout.engines.vllm import VLLMEngine
 from engine_helpers import diffs_after_push, reqs, run, trainer_actor, worst_diff
 from procs import group_alive
+
+from mgrpo.rollout.engines.vllm import VLLMEngine
+from mgrpo.rollout.transports.base import WeightSyncError
+from mgrpo.rollout.types import SamplingParams
 
 T = 0.7
 _versions = itertools.count(1)
@@ -34,8 +35,9 @@ def dirs(tiny_dirs, tmp_path_factory):
     (none of which may apply); new and other: different random weights to push."""
     base = tmp_path_factory.mktemp("vllm") / "base"
     shutil.copytree(tiny_dirs("engine_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=2), base)
-    (base / "generation_config.json").write_text(json.dumps(
-        {"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True}))
+    (base / "generation_config.json").write_text(
+        json.dumps({"repetition_penalty": 1.3, "top_k": 5, "temperature": 2.0, "do_sample": True})
+    )
     new = tiny_dirs("vllm_new", family="qwen2", vocab_size=300, num_layers=2, seed=99)
     other = tiny_dirs("vllm_other", family="qwen2", vocab_size=300, num_layers=2, seed=100)
     return {"base": str(base), "new": new, "other": other}
@@ -93,7 +95,7 @@ def test_top_p_logprobs_are_renormalised_over_the_kept_set(single_rank, engine, 
     for r, o in zip(requests, run(engine, requests, sp)):
         s = Sample(prompt_ids=r.prompt_ids, response_ids=o.token_ids, loss_mask=[1] * len(o.token_ids))
         mb = make_microbatches([s], 1, 0)[0]
-        logits = _logits(actor, mb)[0, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(o.token_ids)] / T
+        logits = _logits(actor, mb)[0, len(r.prompt_ids) - 1 : len(r.prompt_ids) - 1 + len(o.token_ids)] / T
         for j, tok in enumerate(o.token_ids):
             p = torch.softmax(logits[j].double(), -1)
             sorted_p, order = torch.sort(p, descending=True)
@@ -106,8 +108,10 @@ def test_top_p_logprobs_are_renormalised_over_the_kept_set(single_rank, engine, 
             worst = max(worst, abs(float(ref) - o.logprobs[j]))
             full_gap = max(full_gap, abs(float(torch.log(p[tok])) - o.logprobs[j]))
             checked += 1
-    print(f"top-p 0.9: {checked} positions, max |engine - renormalised trainer| {worst:.2e}; "
-          f"vs the full-vocabulary logprob up to {full_gap:.3f}")
+    print(
+        f"top-p 0.9: {checked} positions, max |engine - renormalised trainer| {worst:.2e}; "
+        f"vs the full-vocabulary logprob up to {full_gap:.3f}"
+    )
     assert checked >= 20 and worst <= 1e-4 and full_gap > 1e-2
 
 
@@ -165,8 +169,11 @@ def test_an_update_waits_for_generation_in_flight(single_rank, engine, dirs):
     _, old = push(engine, dirs["new"])
     many = reqs(seed=8, n=16)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(out=run(engine, many, SamplingParams(
-        temperature=1.0, max_tokens=96, ignore_eos=True))))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=run(engine, many, SamplingParams(temperature=1.0, max_tokens=96, ignore_eos=True))
+        )
+    )
     worker.start()
     time.sleep(0.3)
     assert worker.is_alive(), "the generate call must still be in flight when the update starts"
@@ -183,8 +190,12 @@ def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single
     _, version = push(engine, dirs["new"])
     good = list(load_file(os.path.join(dirs["other"], "model.safetensors")).items())
     name, t = good[3]
-    cases = {"missing": good[:3] + good[4:], "shape": good[:3] + [(name, t[..., :-1])] + good[4:],
-             "unknown": good + [("model.layers.0.extra.weight", torch.zeros(4))], "twice": good + good[:1]}
+    cases = {
+        "missing": good[:3] + good[4:],
+        "shape": good[:3] + [(name, t[..., :-1])] + good[4:],
+        "unknown": good + [("model.layers.0.extra.weight", torch.zeros(4))],
+        "twice": good + good[:1],
+    }
     for what, items in cases.items():
         with pytest.raises(WeightSyncError, match="rejected before loading") as e:
             push(engine, dirs["other"], items=iter(items), bucket_bytes=256 << 10)
@@ -212,8 +223,21 @@ def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_ran
 
     push(engine, dirs["new"])
     tok = load_tokenizer(dirs["base"])
-    cfg = load_config(argv=["--model.path", dirs["base"], "--rollout.engine", "vllm", "--rollout.n", "4",
-                            "--rollout.max_tokens", "16", "--train.micro_batch_size", "4"], check_files=False)
+    cfg = load_config(
+        argv=[
+            "--model.path",
+            dirs["base"],
+            "--rollout.engine",
+            "vllm",
+            "--rollout.n",
+            "4",
+            "--rollout.max_tokens",
+            "16",
+            "--train.micro_batch_size",
+            "4",
+        ],
+        check_files=False,
+    )
     rows = [{"messages": [{"role": "user", "content": c}]} for c in ("12 + 7 =", "say hi", "abc abc", "0 1 2")]
     samples = RolloutManager(cfg, tok, {0: 0}, engine).generate_share(rows, step=0)
     for s in samples:
@@ -227,7 +251,7 @@ def test_token_ids_reach_the_loss_exactly_as_the_engine_returned_them(single_ran
             for row, idx in enumerate(mb["sample_index"]):
                 s = samples[mini.local[idx]]
                 ids = s.prompt_ids + s.response_ids
-                assert mb["input_ids"][row, :len(ids)].tolist() == ids
+                assert mb["input_ids"][row, : len(ids)].tolist() == ids
                 on = mb["loss_mask"][row].bool()
                 assert mb["targets"][row][on].tolist() == s.response_ids
                 seen += 1
@@ -258,8 +282,10 @@ def test_engine_processes_end_with_a_killed_or_interrupted_trainer(dirs, tmp_pat
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
     errs = [open(tmp_path / f"driver{i}.err", "w+") for i in range(2)]
-    drivers = [subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True,
-                                stderr=errs[i]) for i in range(2)]
+    drivers = [
+        subprocess.Popen([sys.executable, str(script), dirs["base"]], stdout=subprocess.PIPE, text=True, stderr=errs[i])
+        for i in range(2)
+    ]
     infos = [json.loads(d.stdout.readline()) for d in drivers]
     pids = [info["pid"] for info in infos]
     assert all(os.path.exists(f) for info in infos for f in info["files"])

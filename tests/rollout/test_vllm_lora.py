@@ -4,6 +4,7 @@ new LoRARequest per version). vLLM's logprobs equal the trainer's after every up
 learns (12 steps; the merged run's 6 check the sync only), and an adapter-only sync moves exactly the adapters'
 bytes: rank x (in + out) per adapted linear, 9.8% of this tiny model (rank 8 / hidden 128), ~rank/hidden of a
 large one."""
+
 import os
 import sys
 
@@ -25,16 +26,20 @@ def test_vllm_lora_merged_and_adapter_sync(tmp_path):
     from mgrpo.models.hf_config import read_model_info
     from mgrpo.models.lora import trainable_count
 
-    merged_rows, merged_engines = _launch(tmp_path, "merged", 1, "tiny_cpu_lora.yaml", *LORA,
-                                          "--rollout.lora_sync", "merged", steps=6)
+    merged_rows, merged_engines = _launch(
+        tmp_path, "merged", 1, "tiny_cpu_lora.yaml", *LORA, "--rollout.lora_sync", "merged", steps=6
+    )
     _check(merged_rows, merged_engines, 1, learns=False)  # 6 updates: equal logprobs after each (learning below)
-    adapter_rows, adapter_engines = _launch(tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2",
-                                            "--rollout.lora_sync", "adapter", steps=12)
+    adapter_rows, adapter_engines = _launch(
+        tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2", "--rollout.lora_sync", "adapter", steps=12
+    )
     _check(adapter_rows, adapter_engines, 1)
     info = read_model_info(str(tmp_path / "model"))
     adapters = trainable_count(info, LoraConfig(rank=8, alpha=16)) * 4
     model = _model_bytes(tmp_path / "model")
     merged, adapter = merged_rows[-1]["sync/bytes"], adapter_rows[-1]["sync/bytes"]
-    print(f"bytes per sync: merged {merged} (model {model}), adapter-only {adapter} ({adapter / merged:.2%}); "
-          f"sync s merged {merged_rows[-1]['timing/sync']:.3f} adapter {adapter_rows[-1]['timing/sync']:.3f}")
+    print(
+        f"bytes per sync: merged {merged} (model {model}), adapter-only {adapter} ({adapter / merged:.2%}); "
+        f"sync s merged {merged_rows[-1]['timing/sync']:.3f} adapter {adapter_rows[-1]['timing/sync']:.3f}"
+    )
     assert merged == model and adapter == adapters

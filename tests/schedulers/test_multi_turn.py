@@ -1,19 +1,27 @@
 """Scheduler logic with a scripted fake engine (logic only; the real engines are in test_prefix_property.py):
 mask and logprob alignment across turns, continuation vs a new assistant message, max_turns, done from
 on_turn_end, a raising trajectory, the logprob-count rule, the token budget and the concurrency bound."""
+
 import asyncio
 import logging
 import math
 
 import pytest
-
 from fake_engine import ScriptedEngine, fake_logprob
+
 from mgrpo.data.dataset import encode_prompt
 from mgrpo.data.tokenizer import load_tokenizer
 from mgrpo.rollout.types import SamplingParams
 from mgrpo.schedulers import MultiTurnScheduler, multi_turns
-from mgrpo.schedulers.driver import (AllTrajectoriesFailed, TurnClient, fail_aborted, report, run_trajectories,
-                                     to_sample, trajectory_metrics)
+from mgrpo.schedulers.driver import (
+    AllTrajectoriesFailed,
+    TurnClient,
+    fail_aborted,
+    report,
+    run_trajectories,
+    to_sample,
+    trajectory_metrics,
+)
 from mgrpo.schedulers.tokens import MessageTokens
 from mgrpo.schedulers.types import InferRequest
 
@@ -28,8 +36,16 @@ def tok(tiny_dirs):
 def rollout(tok, scheduler, script, rows, max_concurrent=8, sampling=SP, engine=None):
     engine = engine or ScriptedEngine(tok, script)
     scheduler.infer_engine = TurnClient(engine, tok, 30)
-    reqs = [InferRequest(messages=[dict(m) for m in row["messages"]], data_dict=dict(row), uuid=f"u{i}",
-                         prompt_ids=encode_prompt(tok, row["messages"]), seed=i) for i, row in enumerate(rows)]
+    reqs = [
+        InferRequest(
+            messages=[dict(m) for m in row["messages"]],
+            data_dict=dict(row),
+            uuid=f"u{i}",
+            prompt_ids=encode_prompt(tok, row["messages"]),
+            seed=i,
+        )
+        for i, row in enumerate(rows)
+    ]
     outs = asyncio.run(run_trajectories(scheduler, reqs, sampling, max_concurrent))
     return [to_sample(o, r, 0, {}) for o, r in zip(outs, reqs)], reqs, engine
 
@@ -129,8 +145,13 @@ def test_max_turns_and_length_stop(tok):
     samples, _, _ = rollout(tok, multi_turns["tool_call"](None, 3, tokenizer=tok), always_call, rows)
     assert [s.info["num_turns"] for s in samples] == [3, 3, 3]
     long_turn = lambda uuid, turn, _: "Action: calculator\nAction Input: 1+1\n" + "x" * 80 + "~"  # noqa: E731
-    samples, _, _ = rollout(tok, multi_turns["tool_call"](None, 5, tokenizer=tok), long_turn, rows[:1],
-                            sampling=SamplingParams(max_tokens=200))
+    samples, _, _ = rollout(
+        tok,
+        multi_turns["tool_call"](None, 5, tokenizer=tok),
+        long_turn,
+        rows[:1],
+        sampling=SamplingParams(max_tokens=200),
+    )
     # a call in the turn, but the turn ran out of tokens: check_finished's default stops on "length"
     assert samples[0].info["num_turns"] == 1 and samples[0].finish_reason == "length"
 
@@ -188,8 +209,12 @@ class BadLogprobs(MultiTurnScheduler):
     def step(self, infer_request, response_choice, current_turn):
         ids = list(response_choice.token_ids)
         infer_request.messages[-1]["content"] += "!"
-        return {"infer_request": infer_request, "response_token_ids": ids + enc(self.tokenizer, "!"),
-                "response_loss_mask": [1] * len(ids) + [0], "rollout_logprobs": [-1.0]}  # too few
+        return {
+            "infer_request": infer_request,
+            "response_token_ids": ids + enc(self.tokenizer, "!"),
+            "response_loss_mask": [1] * len(ids) + [0],
+            "rollout_logprobs": [-1.0],
+        }  # too few
 
 
 def test_logprob_count_rule_drops_them(tok, caplog):
@@ -220,8 +245,14 @@ def test_rewriting_the_message_without_ids_is_an_error(tok):
 def test_concurrency_bound_counted_at_the_engine(tok, async_engine):
     rows = [{"messages": [{"role": "user", "content": "x"}], "target": 7}] * 40
     engine = ScriptedEngine(tok, lambda u, t, _: str(t), async_generate=async_engine, delay=0.002)
-    samples, _, _ = rollout(tok, multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number"), None, rows,
-                            max_concurrent=6, engine=engine)
+    samples, _, _ = rollout(
+        tok,
+        multi_turns["gym"](None, 3, tokenizer=tok, gym_env="guess_number"),
+        None,
+        rows,
+        max_concurrent=6,
+        engine=engine,
+    )
     assert len(samples) == 40 and all(s.info["num_turns"] == 3 for s in samples)
     assert 1 < engine.peak <= 6  # requests at the engine at once
     if async_engine:  # one call per turn: the engine batches continuously

@@ -1,5 +1,6 @@
 """End to end through launch/train_grpo.py: short training runs with GymScheduler (guess the number, several
 turns, environment reward) and with ToolCallScheduler, on the HF engine."""
+
 import json
 import os
 import subprocess
@@ -9,12 +10,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def launch(config, tmp_path, *extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train_grpo.py"), "--config",
-           os.path.join(ROOT, "examples", config), "--model.path", str(tmp_path / "model"), "--model.tiny",
-           "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
-           "--logging.completions_interval", "1", *extra]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", config),
+        "--model.path",
+        str(tmp_path / "model"),
+        "--model.tiny",
+        "--logging.output_dir",
+        str(tmp_path / "run"),
+        "--logging.progress_bar",
+        "false",
+        "--logging.completions_interval",
+        "1",
+        *extra,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -53,10 +69,25 @@ def test_a_raising_trajectory_is_left_out_and_the_step_goes_on(single_rank, tmp_
             return super().step(infer_request, response_choice, current_turn)
 
     model = tiny_dirs("trainer_qwen2", family="qwen2", vocab_size=300, num_layers=2, seed=0)
-    cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu_gym.yaml"), [
-        "--model.path", model, "--data.path", os.path.join(ROOT, "examples/data/tiny_guess.jsonl"),
-        "--logging.output_dir", str(tmp_path / "run"), "--logging.progress_bar", "false",
-        "--rollout.scheduler", "flaky_gym_for_test", "--rollout.prompts_per_step", "4", "--train.steps", "1"])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu_gym.yaml"),
+        [
+            "--model.path",
+            model,
+            "--data.path",
+            os.path.join(ROOT, "examples/data/tiny_guess.jsonl"),
+            "--logging.output_dir",
+            str(tmp_path / "run"),
+            "--logging.progress_bar",
+            "false",
+            "--rollout.scheduler",
+            "flaky_gym_for_test",
+            "--rollout.prompts_per_step",
+            "4",
+            "--train.steps",
+            "1",
+        ],
+    )
     cfg.model.tiny = None
     trainer = GRPOTrainer(cfg)
     try:

@@ -6,6 +6,7 @@ from its own generator (its seed), so a sample does not depend on what it was ba
 through in batches of up to `rollout.max_num_seqs` rows, left-padded, with position ids counted from each row's
 first real token and padding masked out of attention, so padding changes no logprob.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,16 @@ class HFEngine:
     capabilities = Capabilities(async_generate=False, sleep=False, logprobs="processed")
     name = "hf"
 
-    def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int, dtype=torch.float32,
-                 max_num_seqs: int = 256, device="cpu", model=None):
+    def __init__(
+        self,
+        model_dir: str,
+        eos_token_id: int,
+        pad_token_id: int,
+        dtype=torch.float32,
+        max_num_seqs: int = 256,
+        device="cpu",
+        model=None,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)  # the trainer rank's device: the engine computes beside it
@@ -96,10 +105,13 @@ class HFEngine:
             end = row.index(self.eos) + 1 if stop else len(row)
             routed = None
             if calls:  # the prompt's tokens (left-padded in the first call), then each fed response token
-                first = calls[0][i, calls[0].shape[1] - len(r.prompt_ids):]
-                routed = encode_routing(torch.cat([first, *[c[i] for c in calls[1: end]]]).numpy())
-            out_.append(GenerationResponse(row[:end], lp[:end], "stop" if stop else "length", [self.version] * end,
-                                           routed_experts=routed))
+                first = calls[0][i, calls[0].shape[1] - len(r.prompt_ids) :]
+                routed = encode_routing(torch.cat([first, *[c[i] for c in calls[1:end]]]).numpy())
+            out_.append(
+                GenerationResponse(
+                    row[:end], lp[:end], "stop" if stop else "length", [self.version] * end, routed_experts=routed
+                )
+            )
         return out_
 
     def _sample(self, requests: list, sp: SamplingParams) -> tuple:
@@ -109,8 +121,8 @@ class HFEngine:
         ids = torch.full((b, longest), self.pad, dtype=torch.long)
         mask = torch.zeros(b, longest, dtype=torch.long)
         for i, r in enumerate(requests):  # left padding: every row's next token lands in the last column
-            ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, longest - len(r.prompt_ids):] = 1
+            ids[i, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, longest - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -135,8 +147,13 @@ class HFEngine:
                     break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], 1)
             pos = pos[:, -1:] + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                             past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
         return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
 
     def generate_sync(self, requests: list, sampling: SamplingParams) -> list:
@@ -147,7 +164,7 @@ class HFEngine:
             out = []
             with self._one_at_a_time, without_shims():  # HF's model: no megatron CPU shim on each op
                 for start in range(0, len(requests), self.max_num_seqs):
-                    out += self._generate_batch(requests[start: start + self.max_num_seqs], sampling)
+                    out += self._generate_batch(requests[start : start + self.max_num_seqs], sampling)
             return out
         finally:
             with self._gate:
@@ -197,8 +214,8 @@ class HFEngine:
     def score(self, prompt: list, response: list, temperature: float = 1.0) -> torch.Tensor:
         """Teacher-forced logprobs of `response` after `prompt` (used to check weight sync)."""
         ids = torch.tensor([prompt + response], device=self.device)
-        logits = self.model(ids).logits[0, len(prompt) - 1: -1].float()
-        return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
 
     def health(self) -> dict:
         return {"ok": True, "engine": self.name, "version": self.version, "time": time.time()}
@@ -214,6 +231,11 @@ class HFEngine:
 @register_engine("hf")
 def _make_hf(cfg, model_dir: str, tokenizer) -> HFEngine:
     """The engine computes in the trainer's dtype (model.params_dtype), so weights arrive without a cast."""
-    return HFEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    dtype=getattr(torch, cfg.model.params_dtype), max_num_seqs=cfg.rollout.max_num_seqs,
-                    device=device())
+    return HFEngine(
+        model_dir,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=getattr(torch, cfg.model.params_dtype),
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        device=device(),
+    )

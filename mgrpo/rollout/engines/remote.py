@@ -12,6 +12,7 @@ Only when no replica is left does the call fail, with one line naming every serv
 Weight updates name this trainer run (`rollout.remote.run_id`: random for a fresh run, the checkpoint's when
 resumed) and this process; a server that another run owns is refused at start unless `rollout.remote.take_over`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,10 @@ def server_token(token_file: str = "") -> str:
         with open(token_file) as f:
             token = f.read().strip()
     if not token:
-        raise RemoteEngineError("no token for the rollout servers: set MGRPO_SERVER_TOKEN or "
-                                "rollout.remote.token_file (the servers refuse every route without it)")
+        raise RemoteEngineError(
+            "no token for the rollout servers: set MGRPO_SERVER_TOKEN or "
+            "rollout.remote.token_file (the servers refuse every route without it)"
+        )
     return token
 
 
@@ -64,11 +67,24 @@ class RemoteEngine:
     capabilities = Capabilities(async_generate=True, sleep=False, logprobs="processed")
     name = "remote"
 
-    def __init__(self, servers: list, token: str, eos_token_id: int | None, connect_timeout_s: float = 5.0,
-                 request_timeout_s: float = 30.0, max_inflight_per_server: int = 64, retries: int = 2,
-                 backoff_s: float = 0.5, update_timeout_s: float = 600.0, log=None, ca_file: str = "",
-                 checksum: str = "xxh3_128", max_consecutive_failures: int = 3, run_id: str = "",
-                 take_over: bool = False):
+    def __init__(
+        self,
+        servers: list,
+        token: str,
+        eos_token_id: int | None,
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 30.0,
+        max_inflight_per_server: int = 64,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        update_timeout_s: float = 600.0,
+        log=None,
+        ca_file: str = "",
+        checksum: str = "xxh3_128",
+        max_consecutive_failures: int = 3,
+        run_id: str = "",
+        take_over: bool = False,
+    ):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
         self.replicas = [Replica(u) for u in servers]
@@ -98,16 +114,20 @@ class RemoteEngine:
             except RemoteEngineError as exc:
                 self.mark_down(r, str(exc))
         if owned and not take_over:
-            raise RemoteEngineError(f"rollout servers {', '.join(owned)} take weights from another trainer run, not "
-                                    f"this one ({self.run_id}): stop that trainer, or set rollout.remote.take_over: "
-                                    f"true to take them over")
+            raise RemoteEngineError(
+                f"rollout servers {', '.join(owned)} take weights from another trainer run, not "
+                f"this one ({self.run_id}): stop that trainer, or set rollout.remote.take_over: "
+                f"true to take them over"
+            )
         if not any(r.up for r in self.replicas):
             raise self.no_replica_left()
         self.version = max(r.version for r in self.replicas if r.up)
         stale = [r.name for r in self.replicas if r.up and r.version != self.version]
         if stale:
-            self.log(f"rollout servers {', '.join(stale)} hold an older weight version; they serve again after "
-                     f"the next weight update")
+            self.log(
+                f"rollout servers {', '.join(stale)} hold an older weight version; they serve again after "
+                f"the next weight update"
+            )
 
     # -- plain HTTP for control calls (stdlib; no event loop needed) ---------------------------------------------
     def get(self, replica: Replica, path: str, timeout: float | None = None) -> dict:
@@ -117,11 +137,26 @@ class RemoteEngine:
         """A state-changing call: it carries this run and process (serving/ownership.py)."""
         return self.call(replica, "POST", path, body, timeout, self.update_headers())
 
-    def call(self, replica: Replica, method: str, path: str, body: dict | None = None, timeout: float | None = None,
-             headers: dict | None = None) -> dict:
+    def call(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        timeout: float | None = None,
+        headers: dict | None = None,
+    ) -> dict:
         try:
-            return http_json(replica.url, method, path, body, headers or self.headers,
-                             timeout or self.connect_timeout_s, self.ssl, replica.name)
+            return http_json(
+                replica.url,
+                method,
+                path,
+                body,
+                headers or self.headers,
+                timeout or self.connect_timeout_s,
+                self.ssl,
+                replica.name,
+            )
         except ServerCallError as exc:
             raise RemoteEngineError(str(exc)) from None
 
@@ -130,13 +165,17 @@ class RemoteEngine:
 
     def mark_down(self, replica: Replica, error: str) -> None:
         if replica.up:
-            self.log(f"rollout server {replica.name} excluded: {error}; it rejoins after it answers /health and "
-                     f"has loaded the current weights")
+            self.log(
+                f"rollout server {replica.name} excluded: {error}; it rejoins after it answers /health and "
+                f"has loaded the current weights"
+            )
         replica.up, replica.last_error, replica.failures = False, error, replica.failures + 1
 
     def no_replica_left(self) -> RemoteEngineError:
-        why = "; ".join(f"{r.name}: {r.last_error or f'holds weight version {r.version}, not {self.version}'}"
-                        for r in self.replicas)
+        why = "; ".join(
+            f"{r.name}: {r.last_error or f'holds weight version {r.version}, not {self.version}'}"
+            for r in self.replicas
+        )
         return RemoteEngineError(f"no rollout server left ({why})")
 
     # -- generation ------------------------------------------------------------------------------------------------
@@ -176,8 +215,11 @@ class RemoteEngine:
 
         body = self.request_body(req, sampling)
         tried, last = set(), [""]
-        attempts = AsyncRetrying(stop=stop_after_attempt(self.retries + 1), retry=retry_if_exception_type(_Retry),
-                                 wait=wait_exponential(multiplier=self.backoff_s, max=60.0))
+        attempts = AsyncRetrying(
+            stop=stop_after_attempt(self.retries + 1),
+            retry=retry_if_exception_type(_Retry),
+            wait=wait_exponential(multiplier=self.backoff_s, max=60.0),
+        )
         try:
             async for attempt in attempts:
                 with attempt:
@@ -188,13 +230,18 @@ class RemoteEngine:
                         if resp.status_code >= 500:
                             raise _Retry(f"{resp.status_code} {resp.text[:200]}")
                         if resp.status_code != 200:  # 4xx: our request is wrong; retrying elsewhere would not help
-                            raise RemoteEngineError(f"rollout server {replica.name}: {self.generate_path} -> "
-                                                    f"{resp.status_code} {resp.text[:300]}")
+                            raise RemoteEngineError(
+                                f"rollout server {replica.name}: {self.generate_path} -> "
+                                f"{resp.status_code} {resp.text[:300]}"
+                            )
                         replica.served, replica.consecutive = replica.served + 1, 0
                         return self.parse_response(resp.json(), resp.headers, replica.name)
                     except (_Retry, httpx.TransportError, OSError) as exc:
-                        what = f"timed out after {self.request_timeout_s:g} s" if isinstance(
-                            exc, httpx.TimeoutException) else f"{type(exc).__name__}: {exc}"
+                        what = (
+                            f"timed out after {self.request_timeout_s:g} s"
+                            if isinstance(exc, httpx.TimeoutException)
+                            else f"{type(exc).__name__}: {exc}"
+                        )
                         last[0] = f"{replica.name}: {what}"
                         replica.consecutive += 1
                         # gone (nothing listens) -> out at once; slow or 5xx (it may only be queueing) -> after N
@@ -205,20 +252,34 @@ class RemoteEngine:
                         await self._release(cond, replica)
         except (_Retry, RetryError):
             pass
-        raise self.no_replica_left() if not self.serving() else RemoteEngineError(
-            f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts); last: "
-            f"{last[0]}")
+        raise (
+            self.no_replica_left()
+            if not self.serving()
+            else RemoteEngineError(
+                f"request {req.request_id} failed on {len(tried)} rollout servers ({self.retries + 1} attempts); last: "
+                f"{last[0]}"
+            )
+        )
 
     # -- the dialect: vLLM's /v1/completions behind mgrpo's server (engines/sglang.py has SGLang's /generate) ------
     generate_path = "/v1/completions"
 
     def request_body(self, req, sampling: SamplingParams) -> dict:
-        return {"prompt": list(req.prompt_ids), "max_tokens": sampling.max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
-                "seed": int(req.seed), "logprobs": 0, "return_token_ids": True, "ignore_eos": sampling.ignore_eos,
-                "skip_special_tokens": False, "n": 1,
-                "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else [],
-                **({"model": self.adapter} if self.adapter else {})}
+        return {
+            "prompt": list(req.prompt_ids),
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1,
+            "seed": int(req.seed),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": sampling.ignore_eos,
+            "skip_special_tokens": False,
+            "n": 1,
+            "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else [],
+            **({"model": self.adapter} if self.adapter else {}),
+        }
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
         return _response(data, int(headers.get(VERSION_HEADER, -1)), server)
@@ -227,8 +288,9 @@ class RemoteEngine:
     def weight_transport(self, bucket_bytes: int, **kwargs):
         from mgrpo.rollout.transports.http_buckets import HttpBucketTransport
 
-        return HttpBucketTransport(self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s,
-                                                                   algo=self.checksum), **kwargs))
+        return HttpBucketTransport(
+            self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s, algo=self.checksum), **kwargs)
+        )
 
     def load_adapter(self, folder: str, version: int) -> dict:
         """LoRA adapter-only sync: PUT the PEFT folder's two files to every replica that can take it (serving/
@@ -244,8 +306,14 @@ class RemoteEngine:
         receipts = {}
         for r in self.rejoin_candidates():
             try:
-                receipts[r.name] = self.call(r, "PUT", f"/mgrpo/lora/{version}", body, self.update_timeout_s,
-                                             dict(self.update_headers(), **{CONFIG_HEADER: config}))
+                receipts[r.name] = self.call(
+                    r,
+                    "PUT",
+                    f"/mgrpo/lora/{version}",
+                    body,
+                    self.update_timeout_s,
+                    dict(self.update_headers(), **{CONFIG_HEADER: config}),
+                )
                 r.version = version
             except RemoteEngineError as exc:
                 self.mark_down(r, str(exc))
@@ -258,8 +326,11 @@ class RemoteEngine:
         """What every PUT and commit carries: the token, this run and this process (serving/ownership.py)."""
         from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
 
-        return dict(self.headers, **{RUN_HEADER: self.run_id, ATTEMPT_HEADER: self.attempt},
-                    **({TAKE_OVER_HEADER: "1"} if self.take_over else {}))
+        return dict(
+            self.headers,
+            **{RUN_HEADER: self.run_id, ATTEMPT_HEADER: self.attempt},
+            **({TAKE_OVER_HEADER: "1"} if self.take_over else {}),
+        )
 
     def rejoin_candidates(self) -> list:
         """Replicas to push the next update to: those up, and those down that answer /health again."""
@@ -272,8 +343,10 @@ class RemoteEngine:
                     if info.get("poisoned"):  # a poisoned server serves nothing until restarted
                         continue
                     r.version = info["version"]
-                    self.log(f"rollout server {r.name} answers again (weight version {r.version}); it gets the "
-                             f"next update before it serves")
+                    self.log(
+                        f"rollout server {r.name} answers again (weight version {r.version}); it gets the "
+                        f"next update before it serves"
+                    )
                     r.up = True
                 except (RemoteEngineError, OSError):
                     continue
@@ -281,13 +354,20 @@ class RemoteEngine:
         return out
 
     def health(self) -> dict:
-        return {"engine": self.name, "version": self.version,
-                "servers": {r.name: {"up": r.up, "version": r.version, "served": r.served, "error": r.last_error}
-                            for r in self.replicas}}
+        return {
+            "engine": self.name,
+            "version": self.version,
+            "servers": {
+                r.name: {"up": r.up, "version": r.version, "served": r.served, "error": r.last_error}
+                for r in self.replicas
+            },
+        }
 
     def stats(self, reset: bool = False) -> dict:
-        return {"requests_served": sum(r.served for r in self.replicas),
-                "servers": {r.name: r.served for r in self.replicas}}
+        return {
+            "requests_served": sum(r.served for r in self.replicas),
+            "servers": {r.name: r.served for r in self.replicas},
+        }
 
     def close(self) -> None:
         pass
@@ -340,13 +420,26 @@ def engine_from_config(cls, cfg, tokenizer):
     if isinstance(servers, str):
         servers = [s for s in servers.split(",") if s]
     started = time.time()
-    engine = cls(servers, server_token(r.token_file), tokenizer.eos_token_id,
-                 connect_timeout_s=r.connect_timeout_s, request_timeout_s=r.request_timeout_s,
-                 max_inflight_per_server=r.max_inflight_per_server, retries=r.retries, backoff_s=r.backoff_s,
-                 update_timeout_s=r.update_timeout_s, ca_file=r.ca_file, checksum=r.checksum,
-                 max_consecutive_failures=r.max_consecutive_failures, run_id=run_identity(cfg), take_over=r.take_over)
-    engine.log(f"rollout servers ({cls.name}): {', '.join(x.name for x in engine.replicas)} (weight version "
-               f"{engine.version}, reached in {time.time() - started:.1f} s; trainer run {engine.run_id})")
+    engine = cls(
+        servers,
+        server_token(r.token_file),
+        tokenizer.eos_token_id,
+        connect_timeout_s=r.connect_timeout_s,
+        request_timeout_s=r.request_timeout_s,
+        max_inflight_per_server=r.max_inflight_per_server,
+        retries=r.retries,
+        backoff_s=r.backoff_s,
+        update_timeout_s=r.update_timeout_s,
+        ca_file=r.ca_file,
+        checksum=r.checksum,
+        max_consecutive_failures=r.max_consecutive_failures,
+        run_id=run_identity(cfg),
+        take_over=r.take_over,
+    )
+    engine.log(
+        f"rollout servers ({cls.name}): {', '.join(x.name for x in engine.replicas)} (weight version "
+        f"{engine.version}, reached in {time.time() - started:.1f} s; trainer run {engine.run_id})"
+    )
     return engine
 
 

@@ -16,6 +16,7 @@ with SGLang's dialect:
 Weights go by collective broadcast only (`transports/collective_sglang.py`: SGLang's `/init_weights_update_group`
 and `/update_weights_from_distributed` with flattened buckets): SGLang has no route for mgrpo's HTTP buckets.
 """
+
 from __future__ import annotations
 
 from mgrpo.rollout.engine import register_engine
@@ -31,21 +32,35 @@ class SGLangEngine(RemoteEngine):
     generate_path = "/generate"
 
     def request_body(self, req, sampling: SamplingParams) -> dict:
-        params = {"max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p, "top_k": sampling.top_k or TOP_K_ALL, "ignore_eos": sampling.ignore_eos,
-                  "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": int(req.seed) & 0x7FFFFFFF}
+        params = {
+            "max_new_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k or TOP_K_ALL,
+            "ignore_eos": sampling.ignore_eos,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "sampling_seed": int(req.seed) & 0x7FFFFFFF,
+        }
         if self.eos is not None and not sampling.ignore_eos:
             params["stop_token_ids"] = [self.eos]
-        body = {"input_ids": list(req.prompt_ids), "sampling_params": params, "return_logprob": True,
-                "logprob_start_len": -1, "stream": False}
+        body = {
+            "input_ids": list(req.prompt_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": False,
+        }
         return body  # no rid: a retry may land on the same server, where a repeated rid is refused
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
         return parse_generate(data, server)
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        raise RemoteEngineError("rollout.engine: sglang takes weights by collective broadcast only; set "
-                                "rollout.remote.transport: collective")
+        raise RemoteEngineError(
+            "rollout.engine: sglang takes weights by collective broadcast only; set "
+            "rollout.remote.transport: collective"
+        )
 
 
 def parse_generate(data: dict, server: str = "") -> GenerationResponse:
@@ -58,8 +73,9 @@ def parse_generate(data: dict, server: str = "") -> GenerationResponse:
     meta = data.get("meta_info") or {}
     triples = meta.get("output_token_logprobs") or []
     if len(triples) != len(ids):
-        raise RemoteEngineError(f"SGLang server {server}: {len(ids)} tokens but {len(triples)} logprobs (send "
-                                f"return_logprob: true)")
+        raise RemoteEngineError(
+            f"SGLang server {server}: {len(ids)} tokens but {len(triples)} logprobs (send return_logprob: true)"
+        )
     logprobs = []
     for i, (triple, tok) in enumerate(zip(triples, ids)):
         lp, tid = triple[0], triple[1]
@@ -68,13 +84,15 @@ def parse_generate(data: dict, server: str = "") -> GenerationResponse:
         logprobs.append(float(lp))
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
-    return GenerationResponse(ids, logprobs, FINISH.get(kind, "abort"), token_versions(meta, len(ids)),
-                              served_by=server)
+    return GenerationResponse(
+        ids, logprobs, FINISH.get(kind, "abort"), token_versions(meta, len(ids)), served_by=server
+    )
 
 
 def token_versions(meta: dict, n: int) -> list:
     """The weight version of each of n output tokens: from SGLang's spans, else its one weight_version (an int as
     mgrpo sets it with /update_weight_version; -1 when the server holds its start weights, "default")."""
+
     def as_int(v):
         try:
             return int(v)

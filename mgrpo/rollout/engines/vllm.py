@@ -8,6 +8,7 @@ exactly mgrpo's settings (`generation_config="vllm"`, nothing from the model fol
 logprobs (those of the distribution sampled from), and dies with this process: `close()` at exit, and a
 watchdog in the child for crashes and kills.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,10 +28,27 @@ from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
 from mgrpo.rollout.transports.shared_memory import SharedMemoryTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+_TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+)
 
 
 class EngineStartError(RuntimeError):
@@ -54,12 +72,26 @@ class VLLMEngine:
     capabilities = Capabilities(async_generate=True, sleep=False, logprobs="processed")
     name = "vllm"
 
-    def __init__(self, model_dir: str, eos_token_id: int | None, dtype: str = "auto", seed: int = 0,
-                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_gb: float = 1.0,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 start_timeout_s: float = 600.0, log_path: str | None = None, update_ring: int | None = None,
-                 update_checksum: bool = False, update_timeout_s: float = 600.0, routed_experts: bool = False,
-                 lora_rank: int | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        eos_token_id: int | None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        kv_cache_gb: float = 1.0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        start_timeout_s: float = 600.0,
+        log_path: str | None = None,
+        update_ring: int | None = None,
+        update_checksum: bool = False,
+        update_timeout_s: float = 600.0,
+        routed_experts: bool = False,
+        lora_rank: int | None = None,
+    ):
         import torch
 
         self.model_dir, self.eos = model_dir, eos_token_id
@@ -70,16 +102,30 @@ class VLLMEngine:
         self.log_path = log_path or os.path.join(self.dir, "engine.log")
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # fp32 on CPU: exact logprobs
-        spec = dict(model=os.path.abspath(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                    socket=self.socket, token=self.token, parent_pid=os.getpid(), routed_experts=routed_experts,
-                    lora_rank=lora_rank)  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
+        spec = dict(
+            model=os.path.abspath(model_dir),
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            socket=self.socket,
+            token=self.token,
+            parent_pid=os.getpid(),
+            routed_experts=routed_experts,
+            lora_rank=lora_rank,
+        )  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"], stdin=subprocess.PIPE,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=_child_env(kv_cache_gb, routed_experts),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"],
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(kv_cache_gb, routed_experts),
+            start_new_session=True,
+        )
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         self.proc.stdin.close()
         atexit.register(self.close)
@@ -102,8 +148,10 @@ class VLLMEngine:
             if self.proc.poll() is not None:
                 tail = self._log_tail()
                 self.close()
-                raise EngineStartError(f"vLLM engine process exited with code {self.proc.returncode} while "
-                                       f"starting (log {self.log_path}):\n{tail}")
+                raise EngineStartError(
+                    f"vLLM engine process exited with code {self.proc.returncode} while "
+                    f"starting (log {self.log_path}):\n{tail}"
+                )
             if os.path.exists(self.socket):
                 try:
                     info = self.call("health", timeout=10)
@@ -120,17 +168,27 @@ class VLLMEngine:
         return local_rpc.call(self.socket, self.token, op, timeout=timeout, **kwargs)
 
     async def generate(self, requests: list, sampling: SamplingParams) -> list:
-        payload = [{"prompt_ids": list(r.prompt_ids), "seed": int(r.seed), "request_id": r.request_id}
-                   for r in requests]
-        out = await local_rpc.async_call(self.socket, self.token, "generate", requests=payload,
-                                         sampling=asdict(sampling), eos=self.eos)
-        return [GenerationResponse(o["token_ids"], o["logprobs"], o["finish_reason"], o["weight_versions"],
-                                   routed_experts=o.get("routed_experts"))
-                for o in out]
+        payload = [
+            {"prompt_ids": list(r.prompt_ids), "seed": int(r.seed), "request_id": r.request_id} for r in requests
+        ]
+        out = await local_rpc.async_call(
+            self.socket, self.token, "generate", requests=payload, sampling=asdict(sampling), eos=self.eos
+        )
+        return [
+            GenerationResponse(
+                o["token_ids"],
+                o["logprobs"],
+                o["finish_reason"],
+                o["weight_versions"],
+                routed_experts=o.get("routed_experts"),
+            )
+            for o in out
+        ]
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        kwargs = dict(dict(ring=self.update_ring, checksum=self.update_checksum,
-                           update_timeout_s=self.update_timeout_s), **kwargs)
+        kwargs = dict(
+            dict(ring=self.update_ring, checksum=self.update_checksum, update_timeout_s=self.update_timeout_s), **kwargs
+        )
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
     def load_adapter(self, path: str, version: int) -> dict:
@@ -178,14 +236,25 @@ def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
     r, v = cfg.rollout, cfg.rollout.vllm
     log = os.path.join(cfg.logging.output_dir, "engines", f"vllm-{os.getpid()}.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    engine = VLLMEngine(model_dir, eos_token_id=tokenizer.eos_token_id, dtype=v.dtype, seed=cfg.train.seed,
-                      max_num_seqs=r.max_num_seqs, max_model_len=v.max_model_len, kv_cache_gb=v.kv_cache_gb,
-                      tensor_parallel_size=v.tensor_parallel_size,
-                      gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
-                      start_timeout_s=v.start_timeout_s, log_path=log, update_ring=v.update_ring,
-                      update_checksum=v.update_checksum, update_timeout_s=r.request_timeout_s,
-                      routed_experts=cfg.algorithm.routing_replay,
-                      lora_rank=cfg.model.lora.rank if cfg.rollout.lora_sync == "adapter" else None)
+    engine = VLLMEngine(
+        model_dir,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype=v.dtype,
+        seed=cfg.train.seed,
+        max_num_seqs=r.max_num_seqs,
+        max_model_len=v.max_model_len,
+        kv_cache_gb=v.kv_cache_gb,
+        tensor_parallel_size=v.tensor_parallel_size,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        enforce_eager=v.enforce_eager,
+        start_timeout_s=v.start_timeout_s,
+        log_path=log,
+        update_ring=v.update_ring,
+        update_checksum=v.update_checksum,
+        update_timeout_s=r.request_timeout_s,
+        routed_experts=cfg.algorithm.routing_replay,
+        lora_rank=cfg.model.lora.rank if cfg.rollout.lora_sync == "adapter" else None,
+    )
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
     return engine

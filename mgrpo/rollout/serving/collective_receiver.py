@@ -14,6 +14,7 @@ buckets go into `reload_weights` as they arrive, each still checked before it lo
 comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on
 CPU and over NCCL on GPU with the same code (`collective_group.py`).
 """
+
 from __future__ import annotations
 
 import queue
@@ -23,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from mgrpo.resharding.bucket import BucketError, ManifestCheck
 from mgrpo.rollout.serving.vllm_moe import repack_cpu_experts
@@ -69,9 +69,21 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         self.shutdown()
         rank, size = _worker_rank(), self.parallel_config.world_size
-        self.groups = [join_group(init_info.host, init_info.port, init_info.nonce, s, 1 + rank, 1 + size,
-                                  init_info.backend, init_info.timeout_s, bind=init_info.host,
-                                  op_timeout_s=init_info.op_timeout_s) for s in range(init_info.senders)]
+        self.groups = [
+            join_group(
+                init_info.host,
+                init_info.port,
+                init_info.nonce,
+                s,
+                1 + rank,
+                1 + size,
+                init_info.backend,
+                init_info.timeout_s,
+                bind=init_info.host,
+                op_timeout_s=init_info.op_timeout_s,
+            )
+            for s in range(init_info.senders)
+        ]
 
     def start_weight_update(self) -> None:
         self.buckets, self.check, self.receipt, self.probing, self.streamed = [], None, {}, False, False
@@ -86,8 +98,11 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             return self._probe(update_info.probe_bytes, update_info.probe_bucket)
         test_load_delay()
         t0 = time.perf_counter()
-        self.check = ManifestCheck({k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
-                                   update_info.optional, receiver="rollout server (collective)")
+        self.check = ManifestCheck(
+            {k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
+            update_info.optional,
+            receiver="rollout server (collective)",
+        )
         if update_info.stream:
             return self._receive_and_load(t0)
         lock = threading.Lock()
@@ -108,8 +123,10 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         except Exception as exc:  # noqa: BLE001  (a sender gone, a timeout: the groups are unusable)
             self.buckets = []
             self.shutdown()
-            raise RuntimeError(f"{REJECTED}: the weight broadcast broke ({type(exc).__name__}: {exc}); the groups "
-                               f"are torn down, the trainer opens new ones") from None
+            raise RuntimeError(
+                f"{REJECTED}: the weight broadcast broke ({type(exc).__name__}: {exc}); the groups "
+                f"are torn down, the trainer opens new ones"
+            ) from None
         self.receipt = {"receive_s": time.perf_counter() - t0}
 
     def _receive_and_load(self, t0: float) -> None:
@@ -144,13 +161,15 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         for t in threads:
             t.start()
         try:
-            reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,
-                           weights_iterator=arriving())
+            reload_weights(
+                self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True, weights_iterator=arriving()
+            )
             repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
             self.shutdown()
-            raise RuntimeError(f"{POISONED}, the engine holds a mix of versions (streamed update): "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise RuntimeError(
+                f"{POISONED}, the engine holds a mix of versions (streamed update): {type(exc).__name__}: {exc}"
+            ) from None
         self.streamed = True
         self.receipt = {"receive_s": time.perf_counter() - t0, "reload_s": time.perf_counter() - t0, "streamed": True}
 
@@ -179,12 +198,16 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             return
         t0 = time.perf_counter()
         try:
-            reload_weights(self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True,
-                           weights_iterator=(item for b in self.buckets for item in b.tensors()))
+            reload_weights(
+                self.vllm_config,
+                self.model,
+                weights_path=None,
+                is_checkpoint_format=True,
+                weights_iterator=(item for b in self.buckets for item in b.tensors()),
+            )
             repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"{POISONED}, the engine holds a mix of versions: {type(exc).__name__}: {exc}") \
-                from None
+            raise RuntimeError(f"{POISONED}, the engine holds a mix of versions: {type(exc).__name__}: {exc}") from None
         finally:
             self.buckets = []
         self.receipt["reload_s"] = time.perf_counter() - t0

@@ -37,9 +37,19 @@ class CollectiveState:
         self.store = self.nonce = self.joined = None
 
 
-def add_collective_routes(app, engine_client, gate, update: UpdateState, expected: dict, optional: list,
-                          update_timeout_s: float, host: str, backend: str, join_timeout_s: float,
-                          stream: bool = False) -> None:
+def add_collective_routes(
+    app,
+    engine_client,
+    gate,
+    update: UpdateState,
+    expected: dict,
+    optional: list,
+    update_timeout_s: float,
+    host: str,
+    backend: str,
+    join_timeout_s: float,
+    stream: bool = False,
+) -> None:
     import torch.distributed as dist
     from fastapi import Request
     from fastapi.responses import JSONResponse
@@ -64,7 +74,7 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
     @app.post("/mgrpo/collective/open")
     async def open_groups(request: Request):
         if int(request.headers.get("content-length") or 1 << 20) > 4096:
-            return error(413, "the open body is {\"senders\": N}")
+            return error(413, 'the open body is {"senders": N}')
         senders = int((await request.json()).get("senders", 0))
         if not 1 <= senders <= MAX_SENDERS:
             return error(400, f"senders={senders}: one per trainer pipeline stage, 1..{MAX_SENDERS}")
@@ -78,10 +88,18 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
             timeout = datetime.timedelta(seconds=join_timeout_s)
             state.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
             state.nonce, state.senders = secrets.token_hex(16), senders
-            info = dict(host=host, port=state.store.port, nonce=state.nonce, senders=senders, backend=backend,
-                        timeout_s=join_timeout_s, op_timeout_s=update_timeout_s)
-            state.joined = asyncio.ensure_future(engine_client.collective_rpc(
-                "init_weight_transfer_engine", kwargs={"init_info": info}))
+            info = dict(
+                host=host,
+                port=state.store.port,
+                nonce=state.nonce,
+                senders=senders,
+                backend=backend,
+                timeout_s=join_timeout_s,
+                op_timeout_s=update_timeout_s,
+            )
+            state.joined = asyncio.ensure_future(
+                engine_client.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+            )
         return dict(info, workers=workers, senders=senders)
 
     @app.post("/mgrpo/collective/{version}/update")
@@ -92,8 +110,9 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
                 return error(409, why)
             if state.joined is None:
                 return error(409, "no collective group is open: POST /mgrpo/collective/open first")
-            result = await apply_version(gate, update, engine_client, version, update_timeout_s,
-                                         lambda timeout: receive(version, timeout))
+            result = await apply_version(
+                gate, update, engine_client, version, update_timeout_s, lambda timeout: receive(version, timeout)
+            )
             if isinstance(result, dict):
                 update.owner.committed(version)
             else:
@@ -110,8 +129,10 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
             if why or state.joined is None:
                 return error(409, why or "no collective group is open: POST /mgrpo/collective/open first")
             await asyncio.wait_for(asyncio.shield(state.joined), timeout=join_timeout_s)
-            await phases({"version": -1, "probe_bytes": int(body["bytes"]),
-                          "probe_bucket": int(body["bucket_bytes"])}, update_timeout_s)
+            await phases(
+                {"version": -1, "probe_bytes": int(body["bytes"]), "probe_bucket": int(body["bucket_bytes"])},
+                update_timeout_s,
+            )
             return (await engine_client.collective_rpc("mgrpo_collective_receipt"))[0]
 
     async def phases(update_info: dict, timeout: float) -> list:
@@ -120,8 +141,10 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
         await engine_client.collective_rpc("start_weight_update")
         marks.append(time.perf_counter())
         for method, kwargs in (("update_weights", {"update_info": update_info}), ("finish_weight_update", None)):
-            await asyncio.wait_for(engine_client.collective_rpc(method, kwargs=kwargs),
-                                   timeout=max(timeout - (time.perf_counter() - t0), 0.001))
+            await asyncio.wait_for(
+                engine_client.collective_rpc(method, kwargs=kwargs),
+                timeout=max(timeout - (time.perf_counter() - t0), 0.001),
+            )
             marks.append(time.perf_counter())
         return marks
 
@@ -130,17 +153,22 @@ def add_collective_routes(app, engine_client, gate, update: UpdateState, expecte
         try:
             await asyncio.wait_for(asyncio.shield(state.joined), timeout=min(timeout, join_timeout_s))
         except Exception as exc:  # noqa: BLE001
-            raise UpdateFailed(f"the trainer's senders did not join the groups within {join_timeout_s:g} s: "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise UpdateFailed(
+                f"the trainer's senders did not join the groups within {join_timeout_s:g} s: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         start = time.perf_counter()
         try:
-            marks = [start] + await phases({"version": version, "expected": expected, "optional": optional,
-                                            "stream": stream}, max(timeout - (start - t0), 0.001))
+            marks = [start] + await phases(
+                {"version": version, "expected": expected, "optional": optional, "stream": stream},
+                max(timeout - (start - t0), 0.001),
+            )
         except asyncio.TimeoutError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(str(exc), poisoned=POISONED in str(exc)) from None
         receipts = await engine_client.collective_rpc("mgrpo_collective_receipt")
-        split = {f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"),
-                                                              [t0] + marks, marks)}
+        split = {
+            f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"), [t0] + marks, marks)
+        }
         return dict(receipts[0], transport="collective", backend=backend, **split)

@@ -2,6 +2,7 @@
 colocated engine process and that engine's worker. JSON only, never pickle; every request carries the
 engine's token, and the socket lives in a 0700 directory of the user who started the run.
 """
+
 from __future__ import annotations
 
 import asyncio

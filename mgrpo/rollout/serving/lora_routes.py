@@ -51,12 +51,17 @@ def add_lora_routes(app, engine_client, gate, staging, update: UpdateState, upda
     @app.put("/mgrpo/lora/{version}")
     async def put_adapter(version: int, request: Request):
         if engine_client.vllm_config.lora_config is None:
-            return error(409, "this server runs without LoRA: start it with -- --enable-lora --max-lora-rank N "
-                              "(N >= the trainer's model.lora.rank)")
+            return error(
+                409,
+                "this server runs without LoRA: start it with -- --enable-lora --max-lora-rank N "
+                "(N >= the trainer's model.lora.rank)",
+            )
         size = int(request.headers.get("content-length") or -1)
         if not 0 < size <= staging.max_bytes:
-            return error(413 if size > 0 else 411, f"adapter body of {size} bytes; send Content-Length, at most "
-                                                   f"{staging.max_bytes} (--max-bucket-mb)")
+            return error(
+                413 if size > 0 else 411,
+                f"adapter body of {size} bytes; send Content-Length, at most {staging.max_bytes} (--max-bucket-mb)",
+            )
         try:
             config = json.loads(request.headers.get(CONFIG_HEADER, ""))
         except ValueError:
@@ -84,8 +89,9 @@ def add_lora_routes(app, engine_client, gate, staging, update: UpdateState, upda
             except Exception as exc:  # noqa: BLE001  (safetensors raises its own errors on a bad header)
                 shutil.rmtree(folder, ignore_errors=True)
                 return error(400, f"adapter of version {version} rejected, nothing loaded: {exc}")
-            result = await apply_version(gate, update, engine_client, version, update_timeout_s,
-                                         lambda timeout: _load(version, folder))
+            result = await apply_version(
+                gate, update, engine_client, version, update_timeout_s, lambda timeout: _load(version, folder)
+            )
             if not isinstance(result, dict):  # an error response; the previous adapter still serves
                 shutil.rmtree(folder, ignore_errors=True)
                 return result

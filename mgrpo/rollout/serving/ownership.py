@@ -10,6 +10,7 @@ checkpoint) and the process (`x-mgrpo-attempt`: random per start). The first run
   version, and the process it replaced is refused from then on (a stale trainer of a requeued job cannot roll the
   weights back).
 """
+
 from __future__ import annotations
 
 RUN_HEADER, ATTEMPT_HEADER, TAKE_OVER_HEADER = "x-mgrpo-run", "x-mgrpo-attempt", "x-mgrpo-take-over"
@@ -31,9 +32,11 @@ class Ownership:
                 return f"send x-mgrpo-{name} (at most {MAX_ID_CHARS} printable ASCII characters) with every update"
         if self.run is not None and run != self.run:
             if not take_over:
-                return (f"this server takes weights from trainer run {self.run} (version {self.floor}); run {run} is "
-                        f"another trainer: stop that one, or set rollout.remote.take_over: true to take the server "
-                        f"over")
+                return (
+                    f"this server takes weights from trainer run {self.run} (version {self.floor}); run {run} is "
+                    f"another trainer: stop that one, or set rollout.remote.take_over: true to take the server "
+                    f"over"
+                )
             self.log(f"trainer run {run} takes the server over from run {self.run} (its last version {self.floor})")
             self.run, self.attempt, self.retired, self.floor = run, attempt, set(), None
             return None
@@ -42,17 +45,23 @@ class Ownership:
             self.run, self.attempt = run, attempt
             return None
         if attempt in self.retired:
-            return (f"process {attempt} of trainer run {run} was replaced by a resumed process ({self.attempt}); "
-                    f"it may not send weights any more")
+            return (
+                f"process {attempt} of trainer run {run} was replaced by a resumed process ({self.attempt}); "
+                f"it may not send weights any more"
+            )
         if attempt != self.attempt:
-            self.log(f"trainer run {run} resumed: process {attempt} replaces {self.attempt} (which had sent version "
-                     f"{self.floor}); versions may start again from the checkpoint's")
+            self.log(
+                f"trainer run {run} resumed: process {attempt} replaces {self.attempt} (which had sent version "
+                f"{self.floor}); versions may start again from the checkpoint's"
+            )
             self.retired.add(self.attempt)
             self.attempt, self.floor = attempt, None
             return None
         if version is not None and self.floor is not None and version <= self.floor:
-            return (f"version {version} is not newer than version {self.floor}, which trainer run {run} already "
-                    f"committed here; versions of a run strictly increase")
+            return (
+                f"version {version} is not newer than version {self.floor}, which trainer run {run} already "
+                f"committed here; versions of a run strictly increase"
+            )
         return None
 
     def committed(self, version: int) -> None:

@@ -15,7 +15,6 @@ GET /health and every generation route.
 import asyncio
 import hmac
 import json
-import os
 
 TOKEN_ENV = "MGRPO_SERVER_TOKEN"
 OPEN_PATHS = {("GET", "/health")}
@@ -63,8 +62,7 @@ class Guard:
 
     async def unavailable(self, send) -> None:
         body = json.dumps({"error": f"poisoned: {self.update.poisoned}; restart the server"}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
@@ -79,8 +77,13 @@ class Guard:
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 4401})
             body = b'{"error": "missing or wrong token: send Authorization: Bearer <MGRPO_SERVER_TOKEN>"}'
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                }
+            )
             return await send({"type": "http.response.body", "body": body})
         if path.startswith("/mgrpo/"):
             return await self.app(scope, receive, send)
@@ -90,8 +93,10 @@ class Guard:
 
         async def stamped(message):
             if message["type"] == "http.response.start":
-                message = dict(message, headers=list(message.get("headers", [])) +
-                               [(VERSION_HEADER.encode(), str(version).encode())])
+                message = dict(
+                    message,
+                    headers=list(message.get("headers", [])) + [(VERSION_HEADER.encode(), str(version).encode())],
+                )
             await send(message)
 
         try:
@@ -100,18 +105,38 @@ class Guard:
             await self.gate.leave()
 
 
-def vllm_args(model: str, host: str, port: int, dtype: str, seed: int, max_model_len: int | None,
-              max_num_seqs: int, extra: list):
+def vllm_args(
+    model: str, host: str, port: int, dtype: str, seed: int, max_model_len: int | None, max_num_seqs: int, extra: list
+):
     """vLLM's own CLI namespace: our worker extension, nothing from generation_config.json, processed logprobs."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling
 
-    argv = ["--model", model, "--host", host, "--port", str(port), "--generation-config", "vllm",
-            "--logprobs-mode", "processed_logprobs", "--dtype", dtype, "--seed", str(seed),
-            "--worker-extension-cls", WORKER_EXTENSION["server"], "--enable-prefix-caching",
-            "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log", "--enforce-eager"]
+    argv = [
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--worker-extension-cls",
+        WORKER_EXTENSION["server"],
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--disable-uvicorn-access-log",
+        "--enforce-eager",
+    ]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     cpu = cpu_scheduling({"model": model, "max_model_len": max_model_len})  # {} with CUDA
@@ -132,9 +157,16 @@ def staging_caps(expected: dict, optional: list, max_staged_bytes: int | None, m
     return (max_staged_bytes or 2 * model + (64 << 20)), (max_staged_buckets or len(expected) + len(optional))
 
 
-async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeout_s: float = 600.0,
-                max_staged_bytes: int | None = None, max_staged_buckets: int | None = None,
-                collective: dict | None = None) -> None:
+async def serve(
+    args,
+    token: str,
+    max_bucket_bytes: int,
+    on_ready,
+    update_timeout_s: float = 600.0,
+    max_staged_bytes: int | None = None,
+    max_staged_buckets: int | None = None,
+    collective: dict | None = None,
+) -> None:
     """Start the engine, build vLLM's app, add the guard and our routes, serve on one socket until stopped."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -142,10 +174,11 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened here and
+    from mgrpo.rollout.serving.lora_routes import add_lora_routes
+
     #                                               in the engine core this process starts, see vllm_worker)
     from mgrpo.rollout.serving.staging import Staging
     from mgrpo.rollout.serving.vllm_settings import hf_manifest
-    from mgrpo.rollout.serving.lora_routes import add_lora_routes
     from mgrpo.rollout.serving.weight_routes import UpdateState, add_weight_routes
 
     listen_address, sock = setup_server(args, reuse_port=False)  # binds first: a port in use fails here
@@ -157,25 +190,39 @@ async def serve(args, token: str, max_bucket_bytes: int, on_ready, update_timeou
             await init_app_state(engine_client, app.state, args, supported)
             dtype = str(engine_client.model_config.dtype).replace("torch.", "")
             expected, optional = hf_manifest(args.model, dtype)
-            staging.max_total_bytes, staging.max_buckets = staging_caps(expected, optional, max_staged_bytes,
-                                                                         max_staged_buckets)
+            staging.max_total_bytes, staging.max_buckets = staging_caps(
+                expected, optional, max_staged_bytes, max_staged_buckets
+            )
             gate, update = Gate(), UpdateState()
             add_weight_routes(app, engine_client, gate, staging, update, expected, optional, update_timeout_s)
             add_lora_routes(app, engine_client, gate, staging, update, update_timeout_s)  # 409 unless --enable-lora
             if collective:  # --transport collective: {host, backend, join_timeout_s}
                 from mgrpo.rollout.serving.collective_routes import add_collective_routes
 
-                add_collective_routes(app, engine_client, gate, update, expected, optional, update_timeout_s,
-                                      **collective)
+                add_collective_routes(
+                    app, engine_client, gate, update, expected, optional, update_timeout_s, **collective
+                )
             # outermost, around whatever vLLM built (its stack may already exist: add_middleware would refuse)
             app.middleware_stack = Guard(app.middleware_stack or app.build_middleware_stack(), token, gate, update)
-            announce = asyncio.create_task(_announce_when_up(args.host, args.port, listen_address, on_ready,
-                                                             tls=bool(getattr(args, "ssl_certfile", None))))
-            shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level="warning",
-                                        access_log=False, timeout_keep_alive=300,  # returns when the server stops
-                                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                                        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                                        ssl_ciphers=args.ssl_ciphers)
+            announce = asyncio.create_task(
+                _announce_when_up(
+                    args.host, args.port, listen_address, on_ready, tls=bool(getattr(args, "ssl_certfile", None))
+                )
+            )
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level="warning",
+                access_log=False,
+                timeout_keep_alive=300,  # returns when the server stops
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
+            )
             announce.cancel()
         await shutdown
     finally:

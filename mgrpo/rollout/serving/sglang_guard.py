@@ -15,6 +15,7 @@ the guard listens where the user asked (loopback by default; TLS off loopback, a
   client's replica logic (exclusion, rejoin, ownership) is the same for both;
 - forwards everything else to SGLang with the admin key (bodies and answers untouched).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -61,8 +62,9 @@ class GuardState:
         self.log = log
 
     def refusal(self, headers, version: int | None) -> str | None:
-        return self.ownership.refusal(headers.get(RUN_HEADER, ""), headers.get(ATTEMPT_HEADER, ""), version,
-                                      headers.get(TAKE_OVER_HEADER) == "1")
+        return self.ownership.refusal(
+            headers.get(RUN_HEADER, ""), headers.get(ATTEMPT_HEADER, ""), version, headers.get(TAKE_OVER_HEADER) == "1"
+        )
 
     def poison(self, why: str) -> None:
         if not self.poisoned:
@@ -87,8 +89,9 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         if request.content_type:
             headers["Content-Type"] = request.content_type
         try:
-            async with session.request(request.method, upstream + request.path_qs, data=data or None,
-                                       headers=headers) as resp:
+            async with session.request(
+                request.method, upstream + request.path_qs, data=data or None, headers=headers
+            ) as resp:
                 payload = await resp.read()
                 return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
         except aiohttp.ClientError as exc:  # gone (a restarted SGLang holds its start weights: not poisoned)
@@ -101,8 +104,11 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         is then not ours, e.g. "0" or "default": -1), whatever this guard last let through; an update it was
         taking is gone with it."""
         try:
-            async with request.app["session"].get(upstream + "/model_info", headers={
-                    "Authorization": f"Bearer {admin_key}"}, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with request.app["session"].get(
+                upstream + "/model_info",
+                headers={"Authorization": f"Bearer {admin_key}"},
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
                 seen = (await resp.json()).get("weight_version") if resp.status == 200 else None
         except (aiohttp.ClientError, ValueError, TimeoutError):
             return
@@ -118,14 +124,22 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                 return refuse(503, f"poisoned: {state.poisoned}; restart the server")
             return await forward(request)
         if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer):
-            return web.json_response({"error": "missing or wrong token: send Authorization: Bearer "
-                                               "<MGRPO_SERVER_TOKEN>"}, status=401,
-                                     headers={"WWW-Authenticate": "Bearer"})
+            return web.json_response(
+                {"error": "missing or wrong token: send Authorization: Bearer <MGRPO_SERVER_TOKEN>"},
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if path == "/mgrpo/version":
             await upstream_version(request)
-            return web.json_response({"version": state.version, "owner": state.ownership.state(),
-                                      "poisoned": state.poisoned or None, "workers": state.workers,
-                                      "engine": "sglang"})
+            return web.json_response(
+                {
+                    "version": state.version,
+                    "owner": state.ownership.state(),
+                    "poisoned": state.poisoned or None,
+                    "workers": state.workers,
+                    "engine": "sglang",
+                }
+            )
         if path in GENERATION or method in ("GET", "HEAD"):
             if state.poisoned and path in GENERATION:
                 return refuse(503, f"poisoned: {state.poisoned}; restart the server")
@@ -148,8 +162,11 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
             state.manifest = Manifest(state.expected, state.optional)
         elif path == "/update_weights_from_distributed":
             if state.manifest is None:
-                return refuse(409, "/update_weights_from_distributed outside /begin_weight_update ... "
-                                   "/end_weight_update; begin the update first")
+                return refuse(
+                    409,
+                    "/update_weights_from_distributed outside /begin_weight_update ... "
+                    "/end_weight_update; begin the update first",
+                )
             why = state.manifest.add(body)
             if why:
                 state.poison(f"update refused half-way: {why}")
@@ -159,13 +176,16 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                 return refuse(409, f"version {version}: no update in progress (/begin_weight_update first)")
             missing = state.manifest.missing()
             if missing:
-                state.poison(f"version {version} incomplete: {len(missing)} tensors never arrived "
-                             f"({', '.join(missing[:3])}...)")
-                return refuse(409, f"version {version} is incomplete: {len(missing)} tensors of the model never "
-                                   f"arrived, e.g. {missing[:3]}; the server is poisoned (it loaded part of it)")
+                state.poison(
+                    f"version {version} incomplete: {len(missing)} tensors never arrived ({', '.join(missing[:3])}...)"
+                )
+                return refuse(
+                    409,
+                    f"version {version} is incomplete: {len(missing)} tensors of the model never "
+                    f"arrived, e.g. {missing[:3]}; the server is poisoned (it loaded part of it)",
+                )
         resp = await forward(request, raw)
-        if path == "/update_weights_from_distributed" and resp.status != 200 and \
-                "x-mgrpo-upstream" not in resp.headers:
+        if path == "/update_weights_from_distributed" and resp.status != 200 and "x-mgrpo-upstream" not in resp.headers:
             state.poison(f"SGLang failed a bucket of an update ({resp.status}): {resp.body[:200]!r}")
         if path == "/update_weight_version" and resp.status == 200:
             state.version, state.manifest = version, None
@@ -185,8 +205,18 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
     return app
 
 
-def serve(upstream: str, admin_key: str, token: str, host: str, port: int, model_dir: str, workers: int,
-          ssl_context=None, on_ready=None, child=None) -> None:
+def serve(
+    upstream: str,
+    admin_key: str,
+    token: str,
+    host: str,
+    port: int,
+    model_dir: str,
+    workers: int,
+    ssl_context=None,
+    on_ready=None,
+    child=None,
+) -> None:
     """Serve the guard until stopped (blocking); with `child` (the SGLang process it started), stop when it dies:
     a guard without its engine would look alive to the trainer."""
     from aiohttp import web
@@ -194,8 +224,9 @@ def serve(upstream: str, admin_key: str, token: str, host: str, port: int, model
     from mgrpo.rollout.serving.vllm_settings import hf_manifest
 
     expected, optional = hf_manifest(model_dir, "any")
-    state = GuardState(expected, optional, workers, log=lambda m: print(f"mgrpo guard: {m}", file=sys.stderr,
-                                                                        flush=True))
+    state = GuardState(
+        expected, optional, workers, log=lambda m: print(f"mgrpo guard: {m}", file=sys.stderr, flush=True)
+    )
     app = make_app(upstream.rstrip("/"), admin_key, token, state)
     if child is not None:
         import asyncio
@@ -206,19 +237,45 @@ def serve(upstream: str, admin_key: str, token: str, host: str, port: int, model
                     await asyncio.sleep(1.0)
                 state.log(f"SGLang exited ({child.returncode}); the guard stops too")
                 os._exit(1)
+
             _app["watch"] = asyncio.create_task(loop())
+
         app.on_startup.append(watch)
     address = f"{'https' if ssl_context else 'http'}://{host}:{port}"
-    web.run_app(app, host=host, port=port, ssl_context=ssl_context, handle_signals=True, access_log=None,
-                shutdown_timeout=1.0, print=lambda *_: (on_ready or print)(address))
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        ssl_context=ssl_context,
+        handle_signals=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+        print=lambda *_: (on_ready or print)(address),
+    )
 
 
 def sglang_command(model: str, port: int, admin_key: str, extra: list) -> list:
     """SGLang's own server on loopback, its own port, every route behind the admin key (only the guard has it);
     token ids in and out (`--skip-tokenizer-init`), mgrpo's versions from 0."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port",
-            str(port), "--api-key", admin_key, "--admin-api-key", admin_key, "--skip-tokenizer-init",
-            "--weight-version", "0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        admin_key,
+        "--admin-api-key",
+        admin_key,
+        "--skip-tokenizer-init",
+        "--weight-version",
+        "0",
+        *extra,
+    ]
 
 
 def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 1800.0):
@@ -233,19 +290,28 @@ def start_sglang(model: str, admin_key: str, extra: list, timeout_s: float = 180
     from mgrpo.parallel.distributed import free_port
 
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
-        raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return logprobs before temperature, "
-                           "not those of the distribution it samples from; unset it")
+        raise ValueError(
+            "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return logprobs before temperature, "
+            "not those of the distribution it samples from; unset it"
+        )
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
     env = {k: v for k, v in os.environ.items() if k != "MGRPO_SERVER_TOKEN"}
-    proc = subprocess.Popen(sglang_command(model, port, admin_key, extra), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        sglang_command(model, port, admin_key, extra),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             log.seek(0)
-            raise RuntimeError(f"SGLang exited ({proc.returncode}) before serving; the end of its log "
-                               f"({log.name}):\n{log.read()[-3000:]}")
+            raise RuntimeError(
+                f"SGLang exited ({proc.returncode}) before serving; the end of its log "
+                f"({log.name}):\n{log.read()[-3000:]}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -260,8 +326,9 @@ def server_info(upstream: str, admin_key: str, timeout: float = 10.0) -> dict:
     import httpx
 
     try:
-        resp = httpx.get(upstream.rstrip("/") + "/get_server_info", headers={"Authorization": f"Bearer {admin_key}"},
-                         timeout=timeout)
+        resp = httpx.get(
+            upstream.rstrip("/") + "/get_server_info", headers={"Authorization": f"Bearer {admin_key}"}, timeout=timeout
+        )
         resp.raise_for_status()
         return resp.json()
     except (httpx.HTTPError, ValueError) as exc:  # OSError: what the server's launcher reports in one line

@@ -7,6 +7,7 @@ body that fails half-way (the client gone, a bad digest, the disk full) leaves n
 `max_buckets` buckets and `max_total_bytes` bytes are staged (defaults from the model's size). The folder carries
 the server's pid (`mgrpo-staging-PID-*`); folders of servers that are gone are swept at start.
 """
+
 from __future__ import annotations
 
 import glob
@@ -59,12 +60,15 @@ class Staging:
         if self.version != version:
             self.reset(version)
         if index not in self.buckets and len(self.buckets) >= self.max_buckets:
-            raise StagingFull(f"version {version} already has {len(self.buckets)} buckets staged, the cap "
-                              f"(--max-staged-buckets)")
+            raise StagingFull(
+                f"version {version} already has {len(self.buckets)} buckets staged, the cap (--max-staged-buckets)"
+            )
         old = self.buckets.get(index, (None, None, 0))[2]
         if self.staged_bytes() - old + size > self.max_total_bytes:
-            raise StagingFull(f"staging {size} more bytes would pass the {self.max_total_bytes}-byte cap for one "
-                              f"version (--max-staged-gb)")
+            raise StagingFull(
+                f"staging {size} more bytes would pass the {self.max_total_bytes}-byte cap for one "
+                f"version (--max-staged-gb)"
+            )
 
     def temp_path(self, version: int, index: int) -> str:
         fd, path = tempfile.mkstemp(prefix=f"v{version}-{index:06d}.", suffix=".part", dir=self.dir)

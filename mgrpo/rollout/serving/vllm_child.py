@@ -7,6 +7,7 @@ worker extension, reset the prefix cache, stamp the version, resume), `load_adap
 add the version's PEFT folder as a new LoRARequest, drop the previous one, resume), `health`, `stats` (requests in
 flight, counted here), `shutdown`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,11 @@ import threading
 import time
 
 from mgrpo.models.routing import encode_routing
-from mgrpo.rollout.serving import local_rpc
-from mgrpo.rollout.serving import vllm_worker  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
+from mgrpo.rollout.serving import (
+    local_rpc,
+    vllm_worker,  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
+)
+
 #                                                by the engine core this process starts, see vllm_worker._quiet_idle_spin)
 from mgrpo.rollout.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest, lora_engine_args
 from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
@@ -32,6 +36,7 @@ from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
 def _die_with_parent(parent: int, spec: dict) -> None:
     """A trainer that crashes or is killed takes this process group (AsyncLLM's engine core too) with it, and
     what it could not clean up itself: the engine's private socket directory and its shared weight buffers."""
+
     def kill_group(*_):
         shutil.rmtree(os.path.dirname(spec["socket"]), ignore_errors=True)
         for path in glob.glob(os.path.join(SHM_DIR, f"{buffer_prefix(parent, spec['token'])}-*")):
@@ -56,16 +61,27 @@ class EngineServer:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.spec, self.token = spec, spec["token"]
-        args = AsyncEngineArgs(**cpu_scheduling(spec),
-            model=spec["model"], dtype=spec["dtype"], seed=spec["seed"], enforce_eager=spec["enforce_eager"],
-            logprobs_mode="processed_logprobs", generation_config="vllm", skip_tokenizer_init=True,
-            worker_extension_cls=WORKER_EXTENSION["colocated"], enable_prefix_caching=True,
-            max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+        args = AsyncEngineArgs(
+            **cpu_scheduling(spec),
+            model=spec["model"],
+            dtype=spec["dtype"],
+            seed=spec["seed"],
+            enforce_eager=spec["enforce_eager"],
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            skip_tokenizer_init=True,
+            worker_extension_cls=WORKER_EXTENSION["colocated"],
+            enable_prefix_caching=True,
+            max_num_seqs=spec["max_num_seqs"],
+            max_model_len=spec["max_model_len"],
             tensor_parallel_size=spec["tensor_parallel_size"],
-            gpu_memory_utilization=spec["gpu_memory_utilization"], disable_log_stats=True,
+            gpu_memory_utilization=spec["gpu_memory_utilization"],
+            disable_log_stats=True,
             distributed_executor_backend="uni" if spec["tensor_parallel_size"] == 1 else None,
             # routing replay: each token's experts (vLLM's aux output; Model Runner V2, set in the child's env)
-            enable_return_routed_experts=bool(spec.get("routed_experts")), **lora_engine_args(spec.get("lora_rank")))
+            enable_return_routed_experts=bool(spec.get("routed_experts")),
+            **lora_engine_args(spec.get("lora_rank")),
+        )
         self.llm = AsyncLLM.from_engine_args(args)
         self.dtype = str(self.llm.vllm_config.model_config.dtype).replace("torch.", "")
         self.expected, self.optional = hf_manifest(spec["model"], self.dtype)
@@ -96,18 +112,27 @@ class EngineServer:
         version, lora = self.version, self.lora
 
         async def one(req):
-            sp = SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                                top_k=sampling["top_k"], max_tokens=sampling["max_tokens"], seed=req["seed"],
-                                logprobs=0, ignore_eos=sampling["ignore_eos"], detokenize=False,
-                                stop_token_ids=[eos] if eos is not None and not sampling["ignore_eos"] else None,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+            sp = SamplingParams(
+                n=1,
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=sampling["top_k"],
+                max_tokens=sampling["max_tokens"],
+                seed=req["seed"],
+                logprobs=0,
+                ignore_eos=sampling["ignore_eos"],
+                detokenize=False,
+                stop_token_ids=[eos] if eos is not None and not sampling["ignore_eos"] else None,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
             rid = f"{req.get('request_id') or 'r'}-{secrets.token_hex(4)}"
             final = None
             self.requests_inflight += 1
             self.requests_peak = max(self.requests_peak, self.requests_inflight)
             try:
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid,
-                                                   lora_request=lora):
+                async for out in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid, lora_request=lora
+                ):
                     final = out
             finally:
                 self.requests_inflight -= 1
@@ -133,8 +158,9 @@ class EngineServer:
         async with self._paused():
             t1 = time.perf_counter()
             results = await self.llm.collective_rpc(
-                "mgrpo_receive_weights", kwargs=dict(channel=channel, token=self.token, expected=self.expected,
-                                                     optional=self.optional))
+                "mgrpo_receive_weights",
+                kwargs=dict(channel=channel, token=self.token, expected=self.expected, optional=self.optional),
+            )
             t2 = time.perf_counter()
             bad = [r for r in results if not r.get("ok")]
             if bad:
@@ -145,9 +171,17 @@ class EngineServer:
                 self.poisoned = "vLLM refused to reset the prefix cache after an update"
                 raise RuntimeError(self.poisoned)
             self.version = version
-        return dict(results[0]["receipt"], version=version, load_s=max(r["load_s"] for r in results),
-                    streamed=results[0]["streamed"], staged_at=results[0]["staged_at"], pause_s=t1 - t0, rpc_s=t2 - t1,
-                    reset_s=time.perf_counter() - t2, total_s=time.perf_counter() - t0)
+        return dict(
+            results[0]["receipt"],
+            version=version,
+            load_s=max(r["load_s"] for r in results),
+            streamed=results[0]["streamed"],
+            staged_at=results[0]["staged_at"],
+            pause_s=t1 - t0,
+            rpc_s=t2 - t1,
+            reset_s=time.perf_counter() - t2,
+            total_s=time.perf_counter() - t0,
+        )
 
     @contextlib.asynccontextmanager
     async def _paused(self):
@@ -185,8 +219,11 @@ class EngineServer:
 
     def stats(self, reset: bool = False) -> dict:
         """Requests inside vLLM now, the most at once (since start or the last reset), and served in total."""
-        out = {"requests_inflight": self.requests_inflight, "requests_peak": self.requests_peak,
-               "requests_served": self.requests_served}
+        out = {
+            "requests_inflight": self.requests_inflight,
+            "requests_peak": self.requests_peak,
+            "requests_served": self.requests_served,
+        }
         if reset:
             self.requests_peak = self.requests_inflight
         return out
@@ -206,8 +243,13 @@ class EngineServer:
                 elif op == "load_adapter":
                     result = await self.load_adapter(int(msg["version"]), str(msg["folder"]))
                 elif op == "health":
-                    result = {"ok": self.poisoned is None, "version": self.version, "pid": os.getpid(),
-                              "dtype": self.dtype, "poisoned": self.poisoned}
+                    result = {
+                        "ok": self.poisoned is None,
+                        "version": self.version,
+                        "pid": os.getpid(),
+                        "dtype": self.dtype,
+                        "poisoned": self.poisoned,
+                    }
                 elif op == "stats":
                     result = self.stats(bool(msg.get("reset")))
                 elif op == "shutdown":

@@ -7,6 +7,7 @@ weights into the packed storage and never packs them again: the engine computes 
 logprobs off by 0.1-0.2 after a push, exact before it). `repack_cpu_experts` packs them again after each update.
 GPU experts (Triton, CUTLASS, ...) keep no such copy and are left alone.
 """
+
 from __future__ import annotations
 
 import os

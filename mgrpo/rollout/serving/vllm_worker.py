@@ -8,6 +8,7 @@ rejected update leaves the old weights serving. When the ring is full the bucket
 `reload_weights` as they arrive (bounded memory, for large models on GPU): a bucket that fails its check then
 leaves a half-loaded model, so the worker reports `poisoned` and the engine refuses to serve until restarted.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,15 +96,22 @@ class FileReceiver:
                 buckets.append(bucket)
             receipt = check.finish()
         except (OSError, BucketError, KeyError, TypeError, ValueError) as exc:
-            return {"ok": False, "poisoned": False, "error": f"update rejected before loading, old weights still "
-                                                             f"serve: {exc}"}
+            return {
+                "ok": False,
+                "poisoned": False,
+                "error": f"update rejected before loading, old weights still serve: {exc}",
+            }
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=(item for b in buckets for item in b.tensors()))
             repack_cpu_experts(self.model_runner.model)
         except Exception as exc:  # noqa: BLE001
-            return {"ok": False, "poisoned": True, "error": f"update failed while loading, the engine holds a mix "
-                                                            f"of versions: {type(exc).__name__}: {exc}"}
+            return {
+                "ok": False,
+                "poisoned": True,
+                "error": f"update failed while loading, the engine holds a mix "
+                f"of versions: {type(exc).__name__}: {exc}",
+            }
         finally:
             buckets.clear()
             for m in maps:
@@ -160,8 +168,11 @@ def _receive(worker, sock, buffers: dict, expected: dict, optional: list) -> dic
         repack_cpu_experts(worker.model_runner.model)
         receipt = receipt or check.finish()
     except Exception as exc:  # noqa: BLE001  (anything after loading began leaves a half-loaded model)
-        return _fail(sock, f"update failed while loading, the engine holds a mix of versions: "
-                           f"{type(exc).__name__}: {exc}", poisoned=True)
+        return _fail(
+            sock,
+            f"update failed while loading, the engine holds a mix of versions: {type(exc).__name__}: {exc}",
+            poisoned=True,
+        )
     load_s = time.perf_counter() - t0
     out = {"ok": True, "receipt": receipt, "load_s": load_s, "streamed": state["streaming"], "staged_at": staged_at}
     local_rpc.send(sock, out)

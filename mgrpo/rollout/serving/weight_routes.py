@@ -46,8 +46,12 @@ class UpdateState:
         """Why this sender may not update to `version` (another trainer, an old version), else None; under the
         lock. A new owner drops what the previous one left."""
         before = (self.owner.run, self.owner.attempt)
-        why = self.owner.refusal(headers.get(RUN_HEADER, ""), headers.get(ATTEMPT_HEADER, ""), version,
-                                 headers.get(TAKE_OVER_HEADER, "") == "1")
+        why = self.owner.refusal(
+            headers.get(RUN_HEADER, ""),
+            headers.get(ATTEMPT_HEADER, ""),
+            version,
+            headers.get(TAKE_OVER_HEADER, "") == "1",
+        )
         if not why and (self.owner.run, self.owner.attempt) != before:
             for drop in self.on_new_owner:
                 drop()
@@ -92,8 +96,10 @@ async def _apply_version(gate, update: UpdateState, engine_client, version: int,
         try:
             receipt = await load(left())
         except asyncio.TimeoutError:
-            update.poisoned = (f"loading version {version} did not finish within --update-timeout-s={timeout_s:g}; "
-                               f"the engine may hold a mix of versions")
+            update.poisoned = (
+                f"loading version {version} did not finish within --update-timeout-s={timeout_s:g}; "
+                f"the engine may hold a mix of versions"
+            )
             return JSONResponse({"error": update.poisoned}, status_code=503)
         except UpdateFailed as exc:
             if exc.poisoned:
@@ -110,13 +116,21 @@ async def _apply_version(gate, update: UpdateState, engine_client, version: int,
     return dict(receipt, version=version, pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2, total_s=t3 - t0)
 
 
-def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, expected: dict, optional: list,
-                      update_timeout_s: float = 600.0) -> None:
+def add_weight_routes(
+    app,
+    engine_client,
+    gate,
+    staging,
+    update: UpdateState,
+    expected: dict,
+    optional: list,
+    update_timeout_s: float = 600.0,
+) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from mgrpo.rollout.serving.staging import StagingFull
     from mgrpo.resharding.bucket import BucketError
+    from mgrpo.rollout.serving.staging import StagingFull
     from mgrpo.rollout.transports.http_buckets import DIGEST_HEADER, StreamCheck
 
     def error(status: int, message: str):
@@ -139,8 +153,10 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
             return refused
         size = int(request.headers.get("content-length") or -1)
         if not 0 < size <= staging.max_bytes:
-            return error(413 if size > 0 else 411, f"bucket body of {size} bytes; send Content-Length, at most "
-                                                   f"{staging.max_bytes} (--max-bucket-mb)")
+            return error(
+                413 if size > 0 else 411,
+                f"bucket body of {size} bytes; send Content-Length, at most {staging.max_bytes} (--max-bucket-mb)",
+            )
         try:
             check = StreamCheck(size, request.headers.get(DIGEST_HEADER, "sha256"))
         except BucketError as exc:
@@ -190,8 +206,11 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
             have = {i: sha for i, (_, sha, _) in staging.buckets.items()} if staging.version == version else {}
             if count != len(digests) or have != dict(enumerate(digests)):
                 missing = sorted(set(range(len(digests))) - set(have))[:5]
-                return error(409, f"version {version} is not completely staged (count {count}, staged "
-                                  f"{len(have)}, missing or different: {missing}); resend its buckets")
+                return error(
+                    409,
+                    f"version {version} is not completely staged (count {count}, staged "
+                    f"{len(have)}, missing or different: {missing}); resend its buckets",
+                )
             result = await _apply(version, [staging.buckets[i][0] for i in range(count)])
             if isinstance(result, dict):  # applied (an error is a response)
                 update.owner.committed(version)
@@ -200,8 +219,12 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
 
     async def _apply(version: int, paths: list):
         async def load(timeout: float):
-            results = await asyncio.wait_for(engine_client.collective_rpc(
-                "mgrpo_load_files", kwargs=dict(paths=paths, expected=expected, optional=optional)), timeout=timeout)
+            results = await asyncio.wait_for(
+                engine_client.collective_rpc(
+                    "mgrpo_load_files", kwargs=dict(paths=paths, expected=expected, optional=optional)
+                ),
+                timeout=timeout,
+            )
             bad = [r for r in results if not r.get("ok")]
             if bad:
                 raise UpdateFailed(bad[0]["error"], poisoned=any(r.get("poisoned") for r in bad))
@@ -211,14 +234,25 @@ def add_weight_routes(app, engine_client, gate, staging, update: UpdateState, ex
 
     @app.get("/mgrpo/version")
     async def version_info():
-        return {"version": gate.version, "poisoned": update.poisoned, "updating": update.committing,
-                "staged_version": staging.version, "staged": sorted(staging.buckets), "owner": update.owner.state()}
+        return {
+            "version": gate.version,
+            "poisoned": update.poisoned,
+            "updating": update.committing,
+            "staged_version": staging.version,
+            "staged": sorted(staging.buckets),
+            "owner": update.owner.state(),
+        }
 
     @app.get("/mgrpo/routes")
     async def routes():
         """Every route of this app (vLLM's and ours), for audits: each must answer 401 without the token."""
-        return {"routes": [{"path": r.path, "methods": sorted(getattr(r, "methods", None) or [])}
-                           for r in app.routes if getattr(r, "path", None)]}
+        return {
+            "routes": [
+                {"path": r.path, "methods": sorted(getattr(r, "methods", None) or [])}
+                for r in app.routes
+                if getattr(r, "path", None)
+            ]
+        }
 
     @app.get("/mgrpo/stats")
     async def stats():

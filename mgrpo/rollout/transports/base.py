@@ -1,4 +1,5 @@
 """What every weight transport shares: its interface and the error an engine's rejected update raises."""
+
 from __future__ import annotations
 
 from typing import Iterable, Protocol

@@ -5,6 +5,7 @@ side opens them from a JSON message; nothing is pickled.
 Only this module knows the two kinds; `SharedMemoryTransport` and the vLLM worker see `.view` (a uint8 tensor)
 and `.describe()`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -74,8 +75,12 @@ class CudaIpcBuffer:
     def describe(self) -> dict:
         storage = self.view.untyped_storage()
         fields = storage._share_cuda_()
-        return {"kind": self.kind, "nbytes": self.nbytes, "device": torch.cuda.current_device(),
-                "handle": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields]}
+        return {
+            "kind": self.kind,
+            "nbytes": self.nbytes,
+            "device": torch.cuda.current_device(),
+            "handle": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields],
+        }
 
     @classmethod
     def open(cls, desc: dict) -> "CudaIpcBuffer":

@@ -14,6 +14,7 @@ before), shares them with the senders, and asks each server to take the version 
 the senders broadcast. A server that breaks mid-broadcast is excluded (its group closed); at a later update, if
 it answers again, it gets new groups and the whole model. Every rank constructs this and calls `send_model`.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,9 @@ class CollectiveTransport:
                 continue
             try:
                 info = self.engine.post(r, "/mgrpo/collective/open", {"senders": len(self.senders)}, timeout=30)
-                plan[r.name] = {k: info[k] for k in ("host", "port", "nonce", "workers", "backend",
-                                                     "timeout_s", "op_timeout_s")}
+                plan[r.name] = {
+                    k: info[k] for k in ("host", "port", "nonce", "workers", "backend", "timeout_s", "op_timeout_s")
+                }
             except Exception as exc:  # noqa: BLE001
                 hint = " (start it with --transport collective)" if " -> 404 " in str(exc) else ""
                 self.engine.mark_down(r, f"cannot open collective groups{hint}: {exc}")
@@ -72,8 +74,10 @@ class CollectiveTransport:
         if self.engine:
             live = [r for r in targets if r.name in plan and r.name not in failed]
             pool = ThreadPoolExecutor(max_workers=max(len(live), 1))
-            requests = {r.name: pool.submit(self.engine.post, r, f"/mgrpo/collective/{version}/update", {},
-                                            self.timeout_s + 30) for r in live}
+            requests = {
+                r.name: pool.submit(self.engine.post, r, f"/mgrpo/collective/{version}/update", {}, self.timeout_s + 30)
+                for r in live
+            }
         sent = self._broadcast(model_chunks, version, failed)
         # every sender's failures reach the owner (one small JSON broadcast per sender)
         reports = share_json({"failed": failed, **sent} if self.is_sender else {}, self.senders)
@@ -97,20 +101,27 @@ class CollectiveTransport:
             receipts[r.name], r.version = receipt, version
         pool.shutdown(wait=False)
         if not receipts:
-            raise WeightSyncError(f"weight version {version} reached no rollout server: "
-                                  f"{self.engine.no_replica_left()}")
+            raise WeightSyncError(
+                f"weight version {version} reached no rollout server: {self.engine.no_replica_left()}"
+            )
         self.engine.version = version
         first = next(iter(receipts.values()))
-        return dict(version=version, servers=sorted(receipts), transport="collective", senders=len(self.senders),
-                    bytes=sum(rep.get("bytes", 0) for rep in reports), buckets=sum(rep.get("buckets", 0)
-                                                                                   for rep in reports),
-                    export_s=max(rep.get("export_s", 0.0) for rep in reports),
-                    transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
-                    receive_s=max(x.get("receive_s", 0.0) for x in receipts.values()),
-                    server={name: {k: v for k, v in x.items() if k.endswith("_s")} for name, x in receipts.items()},
-                    load_s=max(x.get("load_s", 0.0) for x in receipts.values()),
-                    reset_s=max(x.get("reset_s", 0.0) for x in receipts.values()),
-                    total_s=time.perf_counter() - t0, tensors=first.get("tensors"))
+        return dict(
+            version=version,
+            servers=sorted(receipts),
+            transport="collective",
+            senders=len(self.senders),
+            bytes=sum(rep.get("bytes", 0) for rep in reports),
+            buckets=sum(rep.get("buckets", 0) for rep in reports),
+            export_s=max(rep.get("export_s", 0.0) for rep in reports),
+            transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
+            receive_s=max(x.get("receive_s", 0.0) for x in receipts.values()),
+            server={name: {k: v for k, v in x.items() if k.endswith("_s")} for name, x in receipts.items()},
+            load_s=max(x.get("load_s", 0.0) for x in receipts.values()),
+            reset_s=max(x.get("reset_s", 0.0) for x in receipts.values()),
+            total_s=time.perf_counter() - t0,
+            tensors=first.get("tensors"),
+        )
 
     # -- data (the senders) --------------------------------------------------------------------------------------
     def _join(self, plan: dict) -> dict:
@@ -124,9 +135,18 @@ class CollectiveTransport:
                     failed[name] = "this sender holds no group for it"
                 continue
             try:
-                self.groups[name] = join_group(info["host"], info["port"], info["nonce"], self.stage, 0,
-                                               1 + info["workers"], info["backend"], info["timeout_s"], bind=self.bind,
-                                               op_timeout_s=min(info["op_timeout_s"], self.timeout_s))
+                self.groups[name] = join_group(
+                    info["host"],
+                    info["port"],
+                    info["nonce"],
+                    self.stage,
+                    0,
+                    1 + info["workers"],
+                    info["backend"],
+                    info["timeout_s"],
+                    bind=self.bind,
+                    op_timeout_s=min(info["op_timeout_s"], self.timeout_s),
+                )
             except Exception as exc:  # noqa: BLE001
                 failed[name] = f"sender of stage {self.stage} could not join: {type(exc).__name__}: {exc}"
         return failed
@@ -184,9 +204,17 @@ class CollectiveTransport:
 
         buf = torch.zeros(bucket_bytes, dtype=torch.uint8)
         pool = ThreadPoolExecutor(max_workers=len(self.groups))
-        calls = [pool.submit(self.engine.post, r, "/mgrpo/collective/probe",
-                             {"bytes": nbytes, "bucket_bytes": bucket_bytes}, self.timeout_s)
-                 for r in self.engine.replicas if r.name in self.groups]
+        calls = [
+            pool.submit(
+                self.engine.post,
+                r,
+                "/mgrpo/collective/probe",
+                {"bytes": nbytes, "bucket_bytes": bucket_bytes},
+                self.timeout_s,
+            )
+            for r in self.engine.replicas
+            if r.name in self.groups
+        ]
         t0, left = time.perf_counter(), nbytes
         while left > 0:
             n = min(left, bucket_bytes)

@@ -9,6 +9,7 @@ The wire, per bucket: a header int64 [BUCKET, manifest bytes, payload bytes], th
 flat payload (uint8, tensors at aligned offsets: `mgrpo.resharding.bucket`); a header [END, 0, 0] ends the
 sender's stream. Over gloo on CPU, over NCCL on GPU (the tensors then live on the device).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,18 @@ class Group:
         self.pg = self.store = None
 
 
-def join_group(host: str, port: int, nonce: str, sender: int, rank: int, size: int, backend: str = "gloo",
-               timeout_s: float = 60.0, bind: str = "", op_timeout_s: float | None = None) -> Group:
+def join_group(
+    host: str,
+    port: int,
+    nonce: str,
+    sender: int,
+    rank: int,
+    size: int,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+    bind: str = "",
+    op_timeout_s: float | None = None,
+) -> Group:
     """Join the group of `sender` on the store at host:port under `nonce` as `rank` of `size`; blocks until every
     member has joined (or raises after timeout_s). Each later transfer fails after op_timeout_s (default the
     same). `bind`: the address this process's data connections use."""

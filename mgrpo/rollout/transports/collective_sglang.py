@@ -22,6 +22,7 @@ side is its own code (`sglang/srt/model_executor/model_runner_components/weight_
           against the model before SGLang sees them, and refuses the version (poisoning the server: SGLang
           loads as it receives) unless every tensor came exactly once.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,15 @@ class SenderGroup:
     def join(self, size: int) -> None:
         from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-        self.pg, _ = _new_process_group_helper(size, 0, [], Backend(self.backend), PrefixStore(self.group_name,
-                                               self.store), group_name=self.group_name, timeout=self.timeout)
+        self.pg, _ = _new_process_group_helper(
+            size,
+            0,
+            [],
+            Backend(self.backend),
+            PrefixStore(self.group_name, self.store),
+            group_name=self.group_name,
+            timeout=self.timeout,
+        )
         _world.pg_group_ranks[self.pg] = {i: i for i in range(size)}
 
     def broadcast(self, flat: torch.Tensor):
@@ -67,14 +75,24 @@ class SenderGroup:
 
 
 PAUSE = ("/pause_generation", {"mode": "retract"})  # running requests go back to the queue; the cache may be flushed
-BEGIN, END, FLUSH, RESUME = (("/begin_weight_update", {}), ("/end_weight_update", {}), ("/flush_cache", {}),
-                             ("/continue_generation", {}))
+BEGIN, END, FLUSH, RESUME = (
+    ("/begin_weight_update", {}),
+    ("/end_weight_update", {}),
+    ("/flush_cache", {}),
+    ("/continue_generation", {}),
+)
 
 
 def init_group_body(address: str, port: int, workers: int, group_name: str, backend: str) -> dict:
     """The sender is rank 0; the server's TP workers are ranks 1..workers (SGLang adds its TP rank to the offset)."""
-    return {"master_address": address, "master_port": int(port), "rank_offset": 1, "world_size": 1 + int(workers),
-            "group_name": group_name, "backend": backend}
+    return {
+        "master_address": address,
+        "master_port": int(port),
+        "rank_offset": 1,
+        "world_size": 1 + int(workers),
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
 def bucket_body(meta: dict, group_name: str) -> dict:
@@ -90,8 +108,15 @@ def version_body(version: int) -> dict:
 class SGLangCollectiveTransport:
     per_stage = True  # every rank calls send_model(model_chunks, version)
 
-    def __init__(self, engine, bucket_bytes: int, bind: str = "127.0.0.1", timeout_s: float = 600.0,
-                 backend: str | None = None, ca_file: str = ""):
+    def __init__(
+        self,
+        engine,
+        bucket_bytes: int,
+        bind: str = "127.0.0.1",
+        timeout_s: float = 600.0,
+        backend: str | None = None,
+        ca_file: str = "",
+    ):
         """engine: the SGLangEngine on the rank that owns it (global rank 0), None elsewhere. Every sender posts
         its own buckets' requests (with the owner's token and run headers, shared over the job's own group)."""
         from mgrpo.rollout.control import tls_context
@@ -129,8 +154,12 @@ class SGLangCollectiveTransport:
             except Exception as exc:  # noqa: BLE001
                 self.engine.mark_down(r, str(exc))
                 continue
-            plan[r.name] = {"url": r.url, "workers": workers, "new": r.name not in self.opened,
-                            "group": f"mgrpo-{secrets.token_hex(12)}"}
+            plan[r.name] = {
+                "url": r.url,
+                "workers": workers,
+                "new": r.name not in self.opened,
+                "group": f"mgrpo-{secrets.token_hex(12)}",
+            }
         shared = share_json({"plan": plan, "headers": self.engine.update_headers() if self.engine else {}}, [0])[0]
         plan, headers = shared["plan"], shared["headers"]
         failed: dict = {}
@@ -165,22 +194,25 @@ class SGLangCollectiveTransport:
                 continue
             if r.name in failed:
                 self.opened.discard(r.name)
-                self.engine.mark_down(r, f"weight version {version} not applied (SGLang collective): "
-                                         f"{failed[r.name]}")
+                self.engine.mark_down(r, f"weight version {version} not applied (SGLang collective): {failed[r.name]}")
                 continue
             self.opened.add(r.name)
             r.version = version
             receipts.append(r.name)
         if not receipts:
-            raise WeightSyncError(f"weight version {version} reached no SGLang server: "
-                                  f"{self.engine.no_replica_left()}")
+            raise WeightSyncError(f"weight version {version} reached no SGLang server: {self.engine.no_replica_left()}")
         self.engine.version = version
-        return dict(version=version, servers=sorted(receipts), transport="collective-sglang", senders=len(self.senders),
-                    bytes=sum(rep.get("bytes", 0) for rep in reports),
-                    buckets=sum(rep.get("buckets", 0) for rep in reports),
-                    export_s=max(rep.get("export_s", 0.0) for rep in reports),
-                    transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
-                    total_s=time.perf_counter() - t0)
+        return dict(
+            version=version,
+            servers=sorted(receipts),
+            transport="collective-sglang",
+            senders=len(self.senders),
+            bytes=sum(rep.get("bytes", 0) for rep in reports),
+            buckets=sum(rep.get("buckets", 0) for rep in reports),
+            export_s=max(rep.get("export_s", 0.0) for rep in reports),
+            transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
+            total_s=time.perf_counter() - t0,
+        )
 
     def _open(self, plan: dict, ports: list):
         """Ask every server with new groups to join them (in threads: each call returns once the sender joined
@@ -192,10 +224,12 @@ class SGLangCollectiveTransport:
             if not p["new"]:
                 continue
             for stage, hosted in enumerate(ports):
-                body = init_group_body(self.bind, hosted[name], p["workers"], f"{p['group']}-stage{stage}",
-                                       self.backend)
-                calls[(name, stage)] = pool.submit(self.engine.post, by_name[name], "/init_weights_update_group",
-                                                   body, self.timeout_s)
+                body = init_group_body(
+                    self.bind, hosted[name], p["workers"], f"{p['group']}-stage{stage}", self.backend
+                )
+                calls[(name, stage)] = pool.submit(
+                    self.engine.post, by_name[name], "/init_weights_update_group", body, self.timeout_s
+                )
 
         def wait() -> dict:
             out = {}
@@ -206,6 +240,7 @@ class SGLangCollectiveTransport:
                     out.setdefault(name, f"could not open the weight-update group of stage {stage}: {exc}")
             pool.shutdown(wait=False)
             return out
+
         return wait
 
     # -- the senders -----------------------------------------------------------------------------------------------
@@ -216,8 +251,9 @@ class SGLangCollectiveTransport:
         ports = {}
         for name, p in plan.items():
             if p["new"]:
-                self.groups[name] = SenderGroup(self.bind, f"{p['group']}-stage{self.stage}", self.backend,
-                                                self.timeout_s)
+                self.groups[name] = SenderGroup(
+                    self.bind, f"{p['group']}-stage{self.stage}", self.backend, self.timeout_s
+                )
                 ports[name] = self.groups[name].port
         return ports
 
@@ -261,8 +297,17 @@ class SGLangCollectiveTransport:
                 if name in failed or name not in plan:
                     continue
                 body = bucket_body(meta, group.group_name)
-                call = pool.submit(http_json, plan[name]["url"], "POST", "/update_weights_from_distributed", body,
-                                   headers, self.timeout_s, self.ssl, name)
+                call = pool.submit(
+                    http_json,
+                    plan[name]["url"],
+                    "POST",
+                    "/update_weights_from_distributed",
+                    body,
+                    headers,
+                    self.timeout_s,
+                    self.ssl,
+                    name,
+                )
                 inflight.append((name, call, group.broadcast(flat if group.backend == "gloo" else flat.cuda())))
             stats["transfer_s"] += time.perf_counter() - t
             stats["bytes"] += flat.numel()
@@ -287,4 +332,3 @@ class SGLangCollectiveTransport:
             group.close()
         self.groups.clear()
         self.buffers = [None, None]
-

@@ -9,6 +9,7 @@ everything, checks completeness, resets its prefix cache, resumes).
 A failed commit is never retried blindly: the client asks the server which version it holds and what it has
 staged, then resends only what is missing (the commit itself, when every bucket is staged).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -56,16 +57,18 @@ class StreamCheck:
     def feed(self, chunk: bytes) -> bytes:
         """Take the next chunk; return the part of it that belongs in the staged file."""
         keep = chunk[: max(0, self.file_size - self.pos)]
-        self.trailer += chunk[len(keep):]
+        self.trailer += chunk[len(keep) :]
         if self.hash is None:
             self.head += keep
             if len(self.head) >= 8 and len(self.head) >= 8 + int.from_bytes(self.head[:8], "little"):
                 n, self.manifest, start, end = parse_bucket_header(self.head)
                 if 8 + n + end != self.file_size:
-                    raise BucketError(f"the safetensors header says {8 + n + end} bytes, the body carries "
-                                      f"{self.file_size} before its {self.algo} trailer")
+                    raise BucketError(
+                        f"the safetensors header says {8 + n + end} bytes, the body carries "
+                        f"{self.file_size} before its {self.algo} trailer"
+                    )
                 self.hash = Digest(end - start, self.algo)
-                self.hash.update(memoryview(self.head)[8 + n:])
+                self.hash.update(memoryview(self.head)[8 + n :])
                 self.head = b""
         else:
             self.hash.update(keep)
@@ -78,8 +81,10 @@ class StreamCheck:
             raise BucketError(f"the body ends before its safetensors header and {self.algo} trailer are complete")
         got, sent = self.hash.finish(self.manifest), self.trailer.decode("ascii", "replace")
         if not hmac.compare_digest(got, sent):
-            raise BucketError(f"{self.algo} mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
-                              f"{got[:12]}...); the bucket was altered or cut in transit, resend it")
+            raise BucketError(
+                f"{self.algo} mismatch (the trailer says {sent[:12]}..., the bytes that arrived hash to "
+                f"{got[:12]}...); the bucket was altered or cut in transit, resend it"
+            )
         return got
 
 
@@ -117,8 +122,7 @@ class HttpBucketTransport:
             self.conns[replica.name] = conn
         return self.conns[replica.name]
 
-    def _request(self, replica, method: str, path: str, parts=None, length: int = 0,
-                 body: dict | None = None) -> dict:
+    def _request(self, replica, method: str, path: str, parts=None, length: int = 0, body: dict | None = None) -> dict:
         """One request on the replica's kept-alive connection; `parts()` yields the streamed body. A kept
         connection the server has meanwhile closed is reopened once (PUT of a bucket and the commit's state
         check are idempotent; a commit is never resent here)."""
@@ -157,8 +161,9 @@ class HttpBucketTransport:
         except ValueError:
             out = {"error": text[:200].decode(errors="replace")}
         if resp.status != 200:
-            raise WeightSyncError(f"rollout server {replica.name}: {method} {path} -> {resp.status}: "
-                                  f"{out.get('error', out)}")
+            raise WeightSyncError(
+                f"rollout server {replica.name}: {method} {path} -> {resp.status}: {out.get('error', out)}"
+            )
         return out
 
     def send(self, named_tensors, version: int) -> dict:
@@ -184,13 +189,19 @@ class HttpBucketTransport:
                 t, sent = time.perf_counter(), {}
                 for replica in list(targets):
                     try:
-                        got = self._request(replica, "PUT", f"/mgrpo/weights/{version}/{index}",
-                                            lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
-                                            len(header) + total + DIGEST_HEX[self.algo])
+                        got = self._request(
+                            replica,
+                            "PUT",
+                            f"/mgrpo/weights/{version}/{index}",
+                            lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
+                            len(header) + total + DIGEST_HEX[self.algo],
+                        )
                         if got.get("digest") != sent.get("digest"):
-                            raise WeightSyncError(f"rollout server {replica.name} checked {self.algo} "
-                                                  f"{str(got.get('digest'))[:12]}..., sent "
-                                                  f"{str(sent.get('digest'))[:12]}...")
+                            raise WeightSyncError(
+                                f"rollout server {replica.name} checked {self.algo} "
+                                f"{str(got.get('digest'))[:12]}..., sent "
+                                f"{str(sent.get('digest'))[:12]}..."
+                            )
                     except (ConnectionError, WeightSyncError) as exc:
                         self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
                         targets.remove(replica)
@@ -220,14 +231,21 @@ class HttpBucketTransport:
                 else:
                     self.engine.mark_down(replica, f"weight version {version} not applied: {exc}")
         if not receipts:
-            raise WeightSyncError(f"weight version {version} reached no rollout server: "
-                                  f"{str(self.engine.no_replica_left())}")
+            raise WeightSyncError(
+                f"weight version {version} reached no rollout server: {str(self.engine.no_replica_left())}"
+            )
         self.engine.version = version
         first = next(iter(receipts.values()))
-        return dict(version=version, buckets=len(digests), bytes=sent_bytes, servers=sorted(receipts), **timing,
-                    load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
-                    reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
-                    tensors=first.get("tensors"))
+        return dict(
+            version=version,
+            buckets=len(digests),
+            bytes=sent_bytes,
+            servers=sorted(receipts),
+            **timing,
+            load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
+            reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
+            tensors=first.get("tensors"),
+        )
 
     def _commit(self, replica, version: int, digests: list) -> dict:
         body = {"count": len(digests), "digests": digests}
@@ -248,8 +266,10 @@ class HttpBucketTransport:
                 return {"version": version, "recovered": True}
             if state.get("staged_version") == version and state.get("staged") == list(range(len(digests))):
                 return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
-            raise ConnectionError(f"commit failed ({first}); the server holds version {state.get('version')} "
-                                  f"and has staged {len(state.get('staged') or [])}/{len(digests)} buckets") from None
+            raise ConnectionError(
+                f"commit failed ({first}); the server holds version {state.get('version')} "
+                f"and has staged {len(state.get('staged') or [])}/{len(digests)} buckets"
+            ) from None
 
     def close(self) -> None:
         for conn in self.conns.values():

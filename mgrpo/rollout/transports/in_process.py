@@ -1,4 +1,5 @@
 """`InProcessTransport`: the HF engine lives in the trainer rank that receives the export."""
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -1,6 +1,7 @@
 """`AdapterTransport`: LoRA adapter-only sync. The exported stream is the adapters' PEFT factors (a few MB where the
 weights are GB); they are written as a PEFT folder (adapter_config.json + adapter_model.safetensors) in a private
 temporary folder, and the engine serves the base with that folder as its LoRA from the next generation on."""
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ overlaps the engine's dispatch of the request to its worker); the worker connect
 socket, receives the bucket descriptions (JSON) and answers with its result; then the engine's receipt comes back
 on the control socket.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,14 +36,24 @@ class _WorkerStopped(Exception):
 
 
 class SharedMemoryTransport:
-    def __init__(self, engine, bucket_bytes: int, ring: int | None = None, buffer_kind: str | None = None,
-                 checksum: bool = False, accept_timeout_s: float = 300.0, update_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        engine,
+        bucket_bytes: int,
+        ring: int | None = None,
+        buffer_kind: str | None = None,
+        checksum: bool = False,
+        accept_timeout_s: float = 300.0,
+        update_timeout_s: float = 600.0,
+    ):
         self.engine, self.bucket_bytes, self.checksum = engine, int(bucket_bytes), checksum
         self.kind = buffer_kind or ("cuda_ipc" if torch.cuda.is_available() else "posix")
         self.ring = (0 if self.kind == "posix" else 2) if ring is None else ring
         if self.ring == 1:
-            raise ValueError("a ring of 1 buffer cannot stream (the worker holds one while the next is written); "
-                             "use 0 (whole update staged) or >= 2")
+            raise ValueError(
+                "a ring of 1 buffer cannot stream (the worker holds one while the next is written); "
+                "use 0 (whole update staged) or >= 2"
+            )
         self.channel = os.path.join(engine.dir, f"weights-{local_rpc.new_token()[:8]}.sock")
         self.listener = local_rpc.listener(self.channel)
         self.prefix = buffer_prefix(os.getpid(), engine.token)
@@ -72,8 +83,9 @@ class SharedMemoryTransport:
             reply = local_rpc.recv(ctl)
             raise WeightSyncError(f"engine {self.engine.name} refused the update: {reply.get('error', reply)}")
         if not ready:
-            raise WeightSyncError(f"engine {self.engine.name}'s worker did not connect within "
-                                  f"{self.accept_timeout_s:g} s")
+            raise WeightSyncError(
+                f"engine {self.engine.name}'s worker did not connect within {self.accept_timeout_s:g} s"
+            )
         data, _ = self.listener.accept()
         data.settimeout(self.accept_timeout_s)
         if local_rpc.recv(data).get("hello") != self.engine.token:
@@ -95,8 +107,16 @@ class SharedMemoryTransport:
             return link["sock"]
 
         try:
-            local_rpc.send(ctl, {"op": "update", "token": self.engine.token, "version": version,
-                                 "channel": self.channel, "reset_cache": reset_cache})
+            local_rpc.send(
+                ctl,
+                {
+                    "op": "update",
+                    "token": self.engine.token,
+                    "version": version,
+                    "channel": self.channel,
+                    "reset_cache": reset_cache,
+                },
+            )
             try:
                 result, stats = self._stream(stream, worker, version)
             finally:
@@ -107,8 +127,10 @@ class SharedMemoryTransport:
             for _ in stream:  # the export is a collective every rank must finish
                 pass
             if isinstance(exc, socket.timeout):
-                raise WeightSyncError(f"engine {self.engine.name} did not answer weight version {version} within "
-                                      f"{self.update_timeout_s:g} s (rollout.request_timeout_s)") from None
+                raise WeightSyncError(
+                    f"engine {self.engine.name} did not answer weight version {version} within "
+                    f"{self.update_timeout_s:g} s (rollout.request_timeout_s)"
+                ) from None
             raise
         finally:
             ctl.close()
@@ -154,12 +176,28 @@ class SharedMemoryTransport:
             nonlocal index
             slot, buf = cur["slot"], self.buffers[cur["slot"]]
             names, dtypes, shapes, offsets, sizes = (list(x) for x in zip(*cur["items"]))
-            manifest = dict(version=version, index=index, count=0, names=names, dtypes=dtypes, shapes=shapes,
-                            offsets=offsets, nbytes=sizes, sha256="")
+            manifest = dict(
+                version=version,
+                index=index,
+                count=0,
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                offsets=offsets,
+                nbytes=sizes,
+                sha256="",
+            )
             if self.checksum:
                 manifest["sha256"] = digest(buf.view[: cur["used"]], manifest)
-            outbox.append({"bucket": manifest, "buffer": buf.describe(), "used": cur["used"], "slot": slot,
-                           "need_free": bool(self.ring) and not free})
+            outbox.append(
+                {
+                    "bucket": manifest,
+                    "buffer": buf.describe(),
+                    "used": cur["used"],
+                    "slot": slot,
+                    "need_free": bool(self.ring) and not free,
+                }
+            )
             index += 1
             cur.update(items=[], used=0, slot=None)
 
@@ -174,7 +212,7 @@ class SharedMemoryTransport:
                     self._buffer(cur["slot"], n)
                 buf, off = self.buffers[cur["slot"]], align_up(cur["used"])
                 tc = time.perf_counter()
-                buf.view[off: off + n].view(dtype).view(t.shape).copy_(t)
+                buf.view[off : off + n].view(dtype).view(t.shape).copy_(t)
                 copy_s += time.perf_counter() - tc
                 cur["items"].append((name, dtype_name(dtype), list(t.shape), off, n))
                 cur["used"], nbytes = off + n, nbytes + n
