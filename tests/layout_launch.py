@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import torch
+from layout_check import run_export_roundtrip, run_layout
 
 from mgrpo.config import load_config
 from mgrpo.parallel.distributed import free_port
-from mgrpo.parallel.layout_check import run_export_roundtrip, run_layout
 from mgrpo.rollout.types import Sample, samples_to_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -10,11 +10,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: layout_launch
 
+from layout_check import run_export_roundtrip, run_init_export, run_layout, run_nan_step  # noqa: E402
 from layout_launch import LORA_ADAPTER, LORA_ARGS, lora_loader  # noqa: E402
 
 from mgrpo.config import load_config  # noqa: E402
 from mgrpo.parallel.distributed import init_distributed  # noqa: E402
-from mgrpo.parallel.layout_check import run_export_roundtrip, run_init_export, run_layout, run_nan_step  # noqa: E402
 from mgrpo.rollout.types import samples_from_bytes  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCHES = 8, 4

@@ -10,9 +10,8 @@ logprobs are the TP1 model's plus noise, so PPO ratios leave the clip range and 
 """
 
 import pytest
+from layout_check import load_layout
 from layout_launch import LAUNCHES
-
-from mgrpo.parallel.layout_check import load_layout
 
 ABS, REL, REL_FLOOR = 1e-5, 1e-4, 1e-3  # rel = |diff| / max(|ref|, REL_FLOOR)
 # Weights after the step are compared relative to max(|w|, lr): the runs' first Adam step (lr 1e-2, eps 1e-3) moves

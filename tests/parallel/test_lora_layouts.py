@@ -7,10 +7,9 @@ The merged weights' relative test floors at 1e-2 (gradients keep 1e-3): Adam (ep
 fp32 order noise in a near-zero factor gradient into ~1e-7 of update, which B·A carries into weights near zero."""
 
 import pytest
+from layout_check import load_layout
 from layout_launch import LAUNCHES
 from test_layouts import ABS, REL_FLOOR, compare
-
-from mgrpo.parallel.layout_check import load_layout
 
 WEIGHT_REL_FLOOR = 1e-2
 

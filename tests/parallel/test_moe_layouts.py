@@ -11,10 +11,9 @@ float noise. The tiny MoE's router is drawn with std 0.5 (mgrpo/models/tiny.py);
 
 import pytest
 import torch
+from layout_check import load_layout
 from layout_launch import MIN_ROUTER_GAP, MOE_LAUNCHES, router_gap, run_moe_launches
 from test_layouts import check
-
-from mgrpo.parallel.layout_check import load_layout
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import torch
-
-from mgrpo.parallel.layout_check import load_layout
+from layout_check import load_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
