@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mgrpo.data.dataset import encode_prompt  # noqa: E402
 from mgrpo.data.tokenizer import load_tokenizer  # noqa: E402
 from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
+from mgrpo.rollout.multiturn import multi_turns  # noqa: E402
+from mgrpo.rollout.multiturn.driver import TurnClient, run_trajectories  # noqa: E402
+from mgrpo.rollout.multiturn.types import InferRequest  # noqa: E402
 from mgrpo.rollout.types import SamplingParams  # noqa: E402
-from mgrpo.schedulers import multi_turns  # noqa: E402
-from mgrpo.schedulers.driver import TurnClient, run_trajectories  # noqa: E402
-from mgrpo.schedulers.types import InferRequest  # noqa: E402
 
 
 def run(engine, tok, n: int, bound: int, coalesce: bool) -> tuple:

@@ -269,9 +269,9 @@ class Saver:
         )
 
     def save(self, actor, step: int, common: dict) -> str:
-        from megatron.core import dist_checkpointing
+        from dataclasses import asdict as to_dict  # the config's dataclasses, as mgrpo.config.to_dict does
 
-        from mgrpo.config import to_dict
+        from megatron.core import dist_checkpointing
 
         _forked_results_queue()
         self.wait()  # one save in flight at a time

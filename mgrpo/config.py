@@ -16,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from mgrpo.config_checks import must, suggest
+from mgrpo.models.moe_options import MoeConfig  # read by the model builder, below this layer
 
 
 class ConfigError(ValueError):
@@ -28,7 +29,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class WarmStartConfig:
-    """A short supervised pass on generated addition before RL (mgrpo.models.warm_start); problems in eval.path
+    """A short supervised pass on generated addition before RL (mgrpo.cli.warm_start); problems in eval.path
     (its a and b columns) are left out."""
 
     task: str = "addition"
@@ -58,16 +59,6 @@ class TinyModelConfig:
     moe_ffn_hidden_size: int = 64
     initializer_range: float = 0.02  # HF's init std (the LoRA example's 0.1 gives a low-rank adapter logits to move)
     warm_start: Optional[WarmStartConfig] = None  # e.g. {steps: 350}: supervised addition before RL
-
-
-@dataclass
-class MoeConfig:
-    """Mixture-of-experts options (used only when the model has experts)."""
-
-    aux_loss_coeff: float = 0.0  # megatron's load-balancing loss in the training loss; 0 = off (RL default)
-    z_loss_coeff: float = 0.0  # router z-loss; 0 = off
-    token_dispatcher: str = "auto"  # auto (= alltoall) | alltoall | allgather (needs equal tokens per EP rank)
-    grouped_gemm: bool = False  # megatron's grouped-GEMM experts (GPU with TransformerEngine) instead of a loop
 
 
 @dataclass

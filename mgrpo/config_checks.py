@@ -322,7 +322,7 @@ def check_sampling(a) -> list:
 
 
 def check_scheduler(r) -> list:
-    from mgrpo.schedulers.registry import multi_turns, scheduler_names
+    from mgrpo.rollout.multiturn.registry import multi_turns, scheduler_names
 
     e = []
     if r.scheduler is not None and r.scheduler not in scheduler_names():

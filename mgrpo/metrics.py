@@ -143,7 +143,7 @@ def step_metrics(cfg, samples: list, updates: list, extra: dict, version: int) -
 
         metrics["rollout_is/missing_logprob_samples"] = missing_rollout_logprobs(samples)
     if cfg.rollout.scheduler:
-        from mgrpo.schedulers.driver import trajectory_metrics
+        from mgrpo.rollout.multiturn.driver import trajectory_metrics
 
         metrics.update(trajectory_metrics(samples))
     for s in samples:  # requests per engine: how the step was spread

@@ -16,7 +16,6 @@ from mgrpo.data.batching import build_generation_batch, describe_batching, seque
 from mgrpo.data.dataset import PromptStream, load_run_data
 from mgrpo.data.dynamic_sampling import collect, unit_groups
 from mgrpo.data.tokenizer import load_tokenizer
-from mgrpo.logging import RunLogger
 from mgrpo.loss.advantages import compute_advantages
 from mgrpo.loss.kl import penalize_rewards
 from mgrpo.metrics import step_clock, step_metrics
@@ -35,6 +34,7 @@ from mgrpo.rollout.manager import (
     start_engine,
 )
 from mgrpo.rollout.producer import RolloutProducer
+from mgrpo.run_logger import RunLogger
 from mgrpo.validation import Validator
 
 

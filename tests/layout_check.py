@@ -181,8 +181,8 @@ def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bo
 
 def run_init_export(cfg, model_dir: str, out_dir: str, tag: str, input_ids: torch.Tensor) -> None:
     """A megatron-initialised model (never loaded from HF): save its own logits and its HF export."""
+    from mgrpo.actor import forward_backward
     from mgrpo.models.builder import build_model
-    from mgrpo.parallel.pipeline import forward_backward
     from mgrpo.parallel.state import setup_model_parallel
     from mgrpo.resharding.hf_writer import write_hf_folder
 

@@ -12,7 +12,7 @@ REGISTRIES = {
     "mgrpo.rollout.engine",
     "mgrpo.models.registry",
     "mgrpo.rewards.registry",
-    "mgrpo.schedulers.registry",
+    "mgrpo.rollout.multiturn.registry",
     "mgrpo.loss.registry",
 }
 

@@ -71,7 +71,7 @@ def prepare_tiny_model(cfg, rank: int) -> None:
                 initializer_range=t["initializer_range"],
             )
         if w is not None:
-            from mgrpo.models.warm_start import held_out_pairs, warm_start
+            from mgrpo.cli.warm_start import held_out_pairs, warm_start
 
             out = warm_start(path, w.steps, held_out_pairs(cfg.eval.path), w.low, w.high, w.batch_size, w.lr, w.seed)
             print(
@@ -95,7 +95,7 @@ def check(argv: list):
     from mgrpo.data.tokenizer import load_tokenizer
 
     cfg = load_config(argv=argv)
-    from mgrpo.logging import reused_output_problem
+    from mgrpo.run_logger import reused_output_problem
 
     if reused_output_problem(cfg):
         raise ConfigError(reused_output_problem(cfg))

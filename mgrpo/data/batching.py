@@ -142,8 +142,6 @@ def build_generation_batch(
 ) -> GenerationBatch:
     """The step's samples as mini-batches of this rank's micro-batches; `step` (the trainer's) decides whether
     completions.jsonl wants per-token entropies this step (logging.log_entropy)."""
-    from mgrpo.logging import entropy_due
-
     log_entropy = step is not None and entropy_due(cfg.logging, step)
     alg, t = cfg.algorithm, cfg.train
     rewards = torch.tensor([s.reward if s.reward is not None else float("nan") for s in samples], dtype=torch.float64)
@@ -244,3 +242,8 @@ def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
                     out[mini.local[idx]] = float(kl[row])
     dist.all_reduce(out, group=cpu_group())
     return out
+
+
+def entropy_due(g, step: int) -> bool:
+    """Whether this step's completions carry per-token entropies (the same answer on every rank)."""
+    return bool(g.log_entropy and g.completions_interval and step % g.completions_interval == 0)

@@ -90,7 +90,7 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
 
 
 def _default_moe():
-    from mgrpo.config import MoeConfig
+    from mgrpo.models.moe_options import MoeConfig
 
     return MoeConfig()
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from mgrpo.data.dataset import encode_prompt
 from mgrpo.parallel.device import cpu_group, share_json
 from mgrpo.rollout.engine import request_seed
+from mgrpo.rollout.multiturn.driver import fail_aborted
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams, sample_dict
-from mgrpo.schedulers.driver import fail_aborted
 from mgrpo.stopping import within
 
 
@@ -110,8 +110,8 @@ class RolloutManager:
     def scheduler(self):
         """`rollout.scheduler`, made once per engine owner (it may hold state across trajectories)."""
         if getattr(self, "_scheduler", None) is None:
-            from mgrpo.schedulers.driver import context_limit
-            from mgrpo.schedulers.registry import make_rollout_scheduler
+            from mgrpo.rollout.multiturn.driver import context_limit
+            from mgrpo.rollout.multiturn.registry import make_rollout_scheduler
 
             self._scheduler = make_rollout_scheduler(self.cfg, self.tokenizer, context_limit(self.cfg))
         return self._scheduler
@@ -145,7 +145,7 @@ class RolloutManager:
         first_group = step * self.rounds_per_step() * len(rows) + first
         requests = self.requests_for(rows, step, mine, n, first=first, tag=tag)
         if self.cfg.rollout.scheduler:  # one trajectory per request, several engine calls each
-            from mgrpo.schedulers.driver import scheduled_share
+            from mgrpo.rollout.multiturn.driver import scheduled_share
 
             prompt_of = [mine[k // n] for k in range(len(requests))]
             return scheduled_share(

@@ -137,7 +137,7 @@ class _TwoTurns:
 
     @staticmethod
     def make(tokenizer):
-        from mgrpo.schedulers.base import MultiTurnScheduler
+        from mgrpo.rollout.multiturn.base import MultiTurnScheduler
 
         class TwoTurns(MultiTurnScheduler):
             def check_finished(self, infer_request, response_choice, current_turn):
@@ -156,8 +156,8 @@ def two_turn(single_rank, tiny_dirs):
     from mgrpo.config import load_config
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.hf import HFEngine
+    from mgrpo.rollout.multiturn.driver import scheduled_share
     from mgrpo.rollout.types import GenerationRequest
-    from mgrpo.schedulers.driver import scheduled_share
 
     model = tiny_dirs("replay_moe", family="qwen3_moe", vocab_size=300, num_layers=3, seed=5)
     tok = load_tokenizer(model)

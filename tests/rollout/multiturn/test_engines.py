@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "rollout"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/rollout: engine_helpers
 from engine_helpers import trainer_logprobs  # noqa: E402
 
 from mgrpo.data.dataset import encode_prompt  # noqa: E402
 from mgrpo.data.tokenizer import load_tokenizer  # noqa: E402
+from mgrpo.rollout.multiturn import MultiTurnScheduler, multi_turns  # noqa: E402
+from mgrpo.rollout.multiturn.driver import TurnClient, run_trajectories, to_sample  # noqa: E402
+from mgrpo.rollout.multiturn.types import InferRequest  # noqa: E402
 from mgrpo.rollout.types import SamplingParams  # noqa: E402
-from mgrpo.schedulers import MultiTurnScheduler, multi_turns  # noqa: E402
-from mgrpo.schedulers.driver import TurnClient, run_trajectories, to_sample  # noqa: E402
-from mgrpo.schedulers.types import InferRequest  # noqa: E402
 
 SP = SamplingParams(temperature=1.0, max_tokens=12)
 

@@ -17,12 +17,12 @@ import math
 import os
 from dataclasses import astuple
 
+from mgrpo.rollout.multiturn.tokens import turn_seed
+from mgrpo.rollout.multiturn.types import ChatMessage, ChatResponse, InferRequest, ResponseChoice, flatten
 from mgrpo.rollout.types import GenerationRequest, Sample
-from mgrpo.schedulers.tokens import turn_seed
-from mgrpo.schedulers.types import ChatMessage, ChatResponse, InferRequest, ResponseChoice, flatten
 from mgrpo.stopping import within
 
-log = logging.getLogger("mgrpo.schedulers")
+log = logging.getLogger("mgrpo.rollout.multiturn")
 
 
 class AllTrajectoriesFailed(RuntimeError):

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def launch(config, tmp_path, *extra):
@@ -58,7 +58,7 @@ def test_tool_call_scheduler_trains(tmp_path):
 
 def test_a_raising_trajectory_is_left_out_and_the_step_goes_on(single_rank, tmp_path, tiny_dirs):
     from mgrpo.config import load_config
-    from mgrpo.schedulers import GymScheduler, register_scheduler
+    from mgrpo.rollout.multiturn import GymScheduler, register_scheduler
     from mgrpo.trainer import GRPOTrainer
 
     @register_scheduler("flaky_gym_for_test")

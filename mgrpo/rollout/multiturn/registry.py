@@ -11,14 +11,14 @@ from mgrpo.registry import Registry
 multi_turns = Registry(
     "scheduler",
     builtins=(
-        "mgrpo.schedulers.base",
-        "mgrpo.schedulers.builtin",
-        "mgrpo.schedulers.gym",
-        "mgrpo.schedulers.tool_call",
-        "mgrpo.schedulers.math_tips",
+        "mgrpo.rollout.multiturn.base",
+        "mgrpo.rollout.multiturn.builtin",
+        "mgrpo.rollout.multiturn.gym",
+        "mgrpo.rollout.multiturn.tool_call",
+        "mgrpo.rollout.multiturn.math_tips",
     ),
 )
-envs = Registry("environment", builtins=("mgrpo.schedulers.builtin", "mgrpo.schedulers.gym"))
+envs = Registry("environment", builtins=("mgrpo.rollout.multiturn.builtin", "mgrpo.rollout.multiturn.gym"))
 
 
 def register_scheduler(*names: str, override: bool = False) -> Callable:

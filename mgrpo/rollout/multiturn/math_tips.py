@@ -7,9 +7,9 @@ The answer is checked against the row's `solution` column with math-verify (the 
 from __future__ import annotations
 
 from mgrpo.rewards.outcome import verify_answer
-from mgrpo.schedulers.base import MultiTurnScheduler
-from mgrpo.schedulers.registry import register_scheduler
-from mgrpo.schedulers.tokens import truncate_at_text
+from mgrpo.rollout.multiturn.base import MultiTurnScheduler
+from mgrpo.rollout.multiturn.registry import register_scheduler
+from mgrpo.rollout.multiturn.tokens import truncate_at_text
 
 TIPS = "The answer is not correct, it seems you made a mistake; recheck very carefully.\n"
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mgrpo.models.warm_start import addition_pairs, held_out_pairs, warm_start
+from mgrpo.cli.warm_start import addition_pairs, held_out_pairs, warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

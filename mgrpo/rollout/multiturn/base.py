@@ -17,8 +17,8 @@ import copy
 import inspect
 from dataclasses import replace
 
-from mgrpo.schedulers.tokens import MessageTokens
-from mgrpo.schedulers.types import InferRequest, ResponseChoice, RolloutOutput
+from mgrpo.rollout.multiturn.tokens import MessageTokens
+from mgrpo.rollout.multiturn.types import InferRequest, ResponseChoice, RolloutOutput
 
 
 class SchedulerError(RuntimeError):
@@ -30,7 +30,9 @@ class RolloutScheduler:
     logic; the hooks are shared with `MultiTurnScheduler`."""
 
     def __init__(self, infer_engine=None, max_turns: int | None = None, *args, **kwargs):
-        self.infer_engine = infer_engine  # mgrpo.schedulers.driver.TurnClient, set by the driver for each rollout
+        self.infer_engine = (
+            infer_engine  # mgrpo.rollout.multiturn.driver.TurnClient, set by the driver for each rollout
+        )
         self.tokenizer = kwargs.get("tokenizer")
         self.max_turns = max_turns
         self.max_total_tokens = kwargs.get("max_total_tokens")  # prompt + every turn; None: no limit

@@ -17,11 +17,6 @@ from tqdm import tqdm
 SHOWN = {"reward/mean": "reward", "actor/kl_old": "kl_old", "actor/clip_frac": "clip", "perf/tokens_per_s": "tok/s"}
 
 
-def entropy_due(g, step: int) -> bool:
-    """Whether this step's completions carry per-token entropies (the same answer on every rank)."""
-    return bool(g.log_entropy and g.completions_interval and step % g.completions_interval == 0)
-
-
 def cut_back(path: str, first_step: int) -> None:
     """Keep only the rows of steps before `first_step` (a resumed run appends the rest): tmp file, then rename."""
     if not os.path.isfile(path):
@@ -149,7 +144,7 @@ class RunLogger:
     def __init__(self, cfg, enabled: bool = True, resume_step: int = 0):
         """`resume_step`: the first step of a resumed run; the files are cut back to the steps before it. A fresh
         run with logging.overwrite removes an earlier run's files from the folder first."""
-        from mgrpo.config import to_dict
+        from dataclasses import asdict as to_dict  # the config's dataclasses, as mgrpo.config.to_dict does
 
         g = cfg.logging
         self.enabled, self.cfg, self.dir, self.steps_logged = enabled, cfg, g.output_dir, 0

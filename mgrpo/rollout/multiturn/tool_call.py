@@ -12,9 +12,9 @@ import ast
 import operator
 import re
 
-from mgrpo.schedulers.base import MultiTurnScheduler
-from mgrpo.schedulers.registry import register_scheduler
-from mgrpo.schedulers.tokens import truncate_at_text
+from mgrpo.rollout.multiturn.base import MultiTurnScheduler
+from mgrpo.rollout.multiturn.registry import register_scheduler
+from mgrpo.rollout.multiturn.tokens import truncate_at_text
 
 ACTION = re.compile(r"Action:\s*(?P<tool>[^\n]*?)\s*\nAction Input:\s*(?P<input>[^\n]*)(?:\n|$)")
 _BINARY = {

@@ -166,7 +166,7 @@ def test_warnings_print_above_the_progress_bar(tmp_path, capsys):
     from tqdm.contrib.logging import _TqdmLoggingHandler
 
     from mgrpo.config import load_config
-    from mgrpo.logging import RunLogger
+    from mgrpo.run_logger import RunLogger
 
     cfg = load_config(
         os.path.join(ROOT, "examples", "tiny_cpu.yaml"),

@@ -13,8 +13,8 @@ import copy
 import random
 import re
 
-from mgrpo.schedulers.base import MultiTurnScheduler
-from mgrpo.schedulers.registry import envs, register_env, register_scheduler
+from mgrpo.rollout.multiturn.base import MultiTurnScheduler
+from mgrpo.rollout.multiturn.registry import envs, register_env, register_scheduler
 
 
 class Env:

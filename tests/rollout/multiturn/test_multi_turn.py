@@ -11,9 +11,8 @@ from fake_engine import ScriptedEngine, fake_logprob
 
 from mgrpo.data.dataset import encode_prompt
 from mgrpo.data.tokenizer import load_tokenizer
-from mgrpo.rollout.types import SamplingParams
-from mgrpo.schedulers import MultiTurnScheduler, multi_turns
-from mgrpo.schedulers.driver import (
+from mgrpo.rollout.multiturn import MultiTurnScheduler, multi_turns
+from mgrpo.rollout.multiturn.driver import (
     AllTrajectoriesFailed,
     TurnClient,
     fail_aborted,
@@ -22,8 +21,9 @@ from mgrpo.schedulers.driver import (
     to_sample,
     trajectory_metrics,
 )
-from mgrpo.schedulers.tokens import MessageTokens
-from mgrpo.schedulers.types import InferRequest
+from mgrpo.rollout.multiturn.tokens import MessageTokens
+from mgrpo.rollout.multiturn.types import InferRequest
+from mgrpo.rollout.types import SamplingParams
 
 SP = SamplingParams(temperature=1.0, max_tokens=200)
 
@@ -197,7 +197,7 @@ def test_done_from_on_turn_end_and_a_raising_trajectory(tok, caplog):
         s.reward = 1.0
     fail_aborted(samples)
     assert math.isnan(samples[1].reward) and samples[0].reward == 1.0  # kept out of advantages and loss
-    with caplog.at_level(logging.WARNING, logger="mgrpo.schedulers"):
+    with caplog.at_level(logging.WARNING, logger="mgrpo.rollout.multiturn"):
         report(samples, "scripted#0")
     assert "1 of 3 trajectories" in caplog.text
     assert trajectory_metrics(samples)["rollout/trajectories_failed"] == 1
@@ -223,7 +223,7 @@ def test_logprob_count_rule_drops_them(tok, caplog):
     for s in samples:
         assert s.rollout_logprobs is None and s.info["logprobs_dropped"] is True
         assert len(s.response_ids) == len(s.loss_mask)
-    with caplog.at_level(logging.WARNING, logger="mgrpo.schedulers"):
+    with caplog.at_level(logging.WARNING, logger="mgrpo.rollout.multiturn"):
         report(samples, "scripted#0")
     assert "2 of 2 trajectories returned rollout logprobs" in caplog.text
     assert trajectory_metrics(samples)["rollout/logprobs_dropped"] == 2
@@ -278,7 +278,7 @@ def test_math_tips_truncates_and_tips_once(tok):
 
 
 def test_calculator_is_arithmetic_only():
-    from mgrpo.schedulers.tool_call import calculate, calculator_tool
+    from mgrpo.rollout.multiturn.tool_call import calculate, calculator_tool
 
     assert calculate("(3 + 4) * 5") == 35 and calculate("7 / 2") == 3.5 and calculate("-2 ** 3") == -8
     for bad in ("__import__('os').system('true')", "a + 1", "2 ** 100000", "(1).real", "[1, 2]", "1 / 0", ""):
