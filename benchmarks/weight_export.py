@@ -35,8 +35,8 @@ def worker(bucket_mb: int, reps: int):
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
     from mgrpo.profiling import PeakRSS
-    from mgrpo.resharding.bucket import digest, make_buckets
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.bucket import digest, make_buckets
+    from mgrpo.weights.export import export_hf
 
     init_distributed(backend="gloo")
     parallel = ParallelConfig(tp=2, pp=2)

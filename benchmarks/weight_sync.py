@@ -104,7 +104,7 @@ def start_server(model: str, port: int, log: str) -> subprocess.Popen:
 
 
 def push(engine, actor, bucket_bytes: int, version: int, server_pid: int, algo: str) -> dict:
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.export import export_hf
 
     server = psutil.Process(server_pid)
     transport = engine.weight_transport(bucket_bytes, algo=algo)
@@ -193,7 +193,7 @@ def main() -> None:
     from mgrpo.parallel.distributed import free_port, init_distributed
     from mgrpo.parallel.state import setup_model_parallel
     from mgrpo.rollout.engines.remote import RemoteEngine
-    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     with tempfile.TemporaryDirectory() as root:
         model = make_tiny_hf(os.path.join(root, "model"), seed=0, **MODELS[args.model])

@@ -19,7 +19,7 @@ from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg, rollout_o
 from mgrpo.models.builder import build_model
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.parallel.state import gloo_groups_created
-from mgrpo.resharding.load import load_hf
+from mgrpo.weights.load import load_hf
 
 
 class Actor:

@@ -33,7 +33,7 @@ import yaml
 import mgrpo
 from mgrpo.fsutil import replace_dir
 from mgrpo.parallel.pipeline import unwrap
-from mgrpo.resharding.hf_writer import COPIED
+from mgrpo.weights.hf_writer import COPIED
 
 META = "mgrpo_meta.json"
 LATEST = "latest"
@@ -355,8 +355,8 @@ class Saver:
         """checkpoint.export_hf_at_end: the converter's HF folder (SAVE_DIR/hf_step_XXXXXX), written via a tmp."""
         if not self.c.export_hf_at_end:
             return None
-        from mgrpo.resharding.export import export_hf
-        from mgrpo.resharding.hf_writer import write_hf_folder
+        from mgrpo.weights.export import export_hf
+        from mgrpo.weights.hf_writer import write_hf_folder
 
         out = os.path.join(self.c.save_dir, f"hf_step_{step:06d}")
         tensors = export_hf(actor.models(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)

@@ -27,7 +27,7 @@ from mgrpo.rollout.manager import (
     RolloutManager,
     adapter_sync,
     engine_owners,
-    make_transport,
+    make_weight_sync,
     needs_initial_weights,
     owner_index,
     push_weights,
@@ -53,7 +53,7 @@ class GRPOTrainer:
         self.ref = reference_policy(cfg, self.actor)  # None without KL; LoRA: the base, adapters off
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
-        self.transport = make_transport(cfg, self.engine)  # on engine owners (collective: on every rank)
+        self.weight_sync = make_weight_sync(cfg, self.engine)  # every rank: its WeightSync (NoEngine: no engine)
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
         self.saver, self.version = Saver(cfg), 0
@@ -115,7 +115,7 @@ class GRPOTrainer:
         this rank's engine got (LoRA adapter-only sync: the adapters alone)."""
         self.version += 1
         return push_weights(
-            self.transport,
+            self.weight_sync,
             self.actor.models(),
             self.version,
             self.owners,
@@ -191,6 +191,6 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """An async save in flight is finished; engines (and their processes and buffers) end with the run."""
-        for part in (self.saver, self.producer, self.transport, self.engine):
+        for part in (self.saver, self.producer, self.weight_sync, self.engine):
             if hasattr(part, "close"):
                 part.close()

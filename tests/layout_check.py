@@ -19,7 +19,7 @@ from mgrpo.data.microbatch import dp_shard, make_microbatches
 from mgrpo.loss.aggregation import token_weights
 from mgrpo.loss.policy import aggregation_of
 from mgrpo.models.lora import has_lora, peft_tensors
-from mgrpo.resharding.export import export_hf, full_hf_tensors
+from mgrpo.weights.export import export_hf, full_hf_tensors
 
 
 def _owner() -> bool:
@@ -144,8 +144,8 @@ def run_export_roundtrip(cfg, model_dir: str, out_dir: str, tag: str, per_dp: bo
     every data-parallel replica exports to its own first rank at once (one engine per DP group); each checks."""
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.state import setup_model_parallel
-    from mgrpo.resharding.export import rank_coords
-    from mgrpo.resharding.load import SafetensorsReader, load_hf
+    from mgrpo.weights.export import rank_coords
+    from mgrpo.weights.load import SafetensorsReader, load_hf
 
     setup_model_parallel(cfg.parallel, cfg.train.seed)
     chunks = build_model(model_dir, cfg.parallel)
@@ -184,7 +184,7 @@ def run_init_export(cfg, model_dir: str, out_dir: str, tag: str, input_ids: torc
     from mgrpo.actor import forward_backward
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.state import setup_model_parallel
-    from mgrpo.resharding.hf_writer import write_hf_folder
+    from mgrpo.weights.hf_writer import write_hf_folder
 
     setup_model_parallel(cfg.parallel, cfg.train.seed)
     chunks = build_model(model_dir, cfg.parallel, seed=4321)

@@ -202,7 +202,7 @@ def test_launcher_bad_input_exits_nonzero_with_one_line(case, tmp_path, tiny_dir
     elif case == "missing_shard":
         from safetensors.torch import load_file
 
-        from mgrpo.resharding.hf_writer import write_hf_folder
+        from mgrpo.weights.hf_writer import write_hf_folder
 
         sharded = tmp_path / "sharded"
         tensors = load_file(os.path.join(model, "model.safetensors"))

@@ -108,7 +108,7 @@ def mgrpo_grads(setup):
     from mgrpo.config import load_config
     from mgrpo.data.microbatch import make_microbatches
     from mgrpo.loss.aggregation import token_weights
-    from mgrpo.resharding.export import full_hf_tensors
+    from mgrpo.weights.export import full_hf_tensors
 
     model, _, samples, advantages = setup
     cfg = load_config(

@@ -130,26 +130,26 @@ def test_no_private_names_imported_across_modules(graph):
     "room, forbidden",
     [
         (
-            "mgrpo.rollout.transports",
+            "mgrpo.weights.transports",
             (
                 "mgrpo.rollout.engines",
                 "mgrpo.rollout.manager",
-                "mgrpo.rollout.serving.server",
-                "mgrpo.rollout.serving.vllm_child",
-                "mgrpo.rollout.serving.vllm_worker",
+                "mgrpo.serving.server",
+                "mgrpo.serving.vllm_child",
+                "mgrpo.serving.vllm_worker",
             ),
         ),
         (
             "mgrpo.rollout.engines",
             (
-                "mgrpo.rollout.serving.server",
-                "mgrpo.rollout.serving.vllm_child",
-                "mgrpo.rollout.serving.vllm_worker",
+                "mgrpo.serving.server",
+                "mgrpo.serving.vllm_child",
+                "mgrpo.serving.vllm_worker",
                 "mgrpo.rollout.manager",
             ),
         ),
-        ("mgrpo.rollout.serving", ("mgrpo.rollout.engines", "mgrpo.rollout.manager")),
-        ("mgrpo.resharding.bucket", ("mgrpo",)),
+        ("mgrpo.serving", ("mgrpo.rollout.engines", "mgrpo.rollout.manager")),
+        ("mgrpo.weights.bucket", ("mgrpo",)),
     ],
 )
 def test_rollout_rooms(graph, room, forbidden):

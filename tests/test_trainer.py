@@ -468,7 +468,7 @@ def test_a_rejected_weight_update_stops_the_run_with_one_line(single_rank, tmp_p
     """The engine refuses a weight version (here: the transport raises as an engine rejection would): the step
     fails on every rank with one RolloutError naming the version, and the engine keeps its old weights."""
     from mgrpo.rollout.manager import RolloutError
-    from mgrpo.rollout.transports.base import WeightSyncError
+    from mgrpo.weights.sync import WeightSyncError
 
     trainer = make_trainer(tmp_path, tiny_dirs)
     before = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
@@ -477,7 +477,7 @@ def test_a_rejected_weight_update_stops_the_run_with_one_line(single_rank, tmp_p
         next(iter(named_tensors))
         raise WeightSyncError("engine hf#0: update rejected before loading, old weights still serve: test")
 
-    trainer.transport.send = reject
+    trainer.weight_sync.send = reject
     with pytest.raises(RolloutError, match="weight version 1 not applied: WeightSyncError: engine hf#0"):
         trainer.step(0)
     assert trainer.engine.version == 0

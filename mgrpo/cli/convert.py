@@ -56,8 +56,8 @@ def convert(
     from mgrpo.models.builder import build_model
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
-    from mgrpo.resharding.export import export_hf
-    from mgrpo.resharding.hf_writer import check_output_dir, write_hf_folder
+    from mgrpo.weights.export import export_hf
+    from mgrpo.weights.hf_writer import check_output_dir, write_hf_folder
 
     meta = read_meta(checkpoint)
     check_output_dir(output, overwrite)
@@ -79,7 +79,7 @@ def convert(
     if peft:
         from mgrpo.config import LoraConfig
         from mgrpo.models.lora import peft_config, peft_tensors
-        from mgrpo.resharding.hf_writer import write_peft_folder
+        from mgrpo.weights.hf_writer import write_peft_folder
 
         return write_peft_folder(
             peft_tensors(chunks), output, peft_config(LoraConfig(**meta["lora"]), hf_dir), overwrite
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from mgrpo.checkpoint import CheckpointFolderError
-    from mgrpo.resharding.hf_writer import OutputExistsError
+    from mgrpo.weights.hf_writer import OutputExistsError
 
     try:
         out = convert(args.checkpoint, args.output, args.dtype, max_shard_bytes, args.overwrite, args.peft)

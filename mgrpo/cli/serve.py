@@ -1,4 +1,4 @@
-"""A guarded vLLM rollout server for `rollout.engine: remote` (see mgrpo/rollout/serving/server.py).
+"""A guarded vLLM rollout server for `rollout.engine: remote` (see mgrpo/serving/server.py).
 
     MGRPO_SERVER_TOKEN=... mgrpo-serve --model DIR --port 8000 [--host 127.0.0.1]
     mgrpo-serve --model DIR --port 8000 --token-file /path/token     (the file holds the token)
@@ -26,7 +26,7 @@ from mgrpo.netutil import is_loopback  # no torch: refusals stay fast
 if multiprocessing.parent_process() is not None:  # vLLM's engine core, spawned: it re-imports the launching
     # module and so this one. On CPU the idle busy-polling of vLLM's shared-memory queues is shortened there too
     # (vllm_worker._quiet_idle_spin)
-    from mgrpo.rollout.serving import vllm_worker  # noqa: F401
+    from mgrpo.serving import vllm_worker  # noqa: F401
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -188,12 +188,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import uvloop
 
-    from mgrpo.rollout.serving.server import serve, vllm_args
+    from mgrpo.serving.server import serve, vllm_args
 
     tls = ["--ssl-certfile", args.ssl_certfile, "--ssl-keyfile", args.ssl_keyfile] if args.ssl_certfile else []
     collective = None
     if args.transport == "collective":
-        from mgrpo.rollout.serving.collective_receiver import BACKEND
+        from mgrpo.serving.collective_receiver import BACKEND
 
         collective = dict(
             host=args.collective_host,
@@ -242,12 +242,12 @@ def main(argv=None) -> int:
 
 
 def serve_sglang(args, extra: list, token: str) -> int:
-    """SGLang behind mgrpo's guard (mgrpo/rollout/serving/sglang_guard.py)."""
+    """SGLang behind mgrpo's guard (mgrpo/serving/sglang_guard.py)."""
     import secrets
     import signal
 
     from mgrpo.netutil import is_loopback_url
-    from mgrpo.rollout.serving import sglang_guard
+    from mgrpo.serving import sglang_guard
 
     child = None
     if args.sglang_url:

@@ -167,9 +167,9 @@ def main(argv: list | None = None) -> int:
 
 def train(cfg, denv, data) -> int:
     from mgrpo.checkpoint import CheckpointFolderError
-    from mgrpo.resharding.load import CheckpointError
     from mgrpo.rollout.manager import RolloutError
     from mgrpo.trainer import GRPOTrainer
+    from mgrpo.weights.load import CheckpointError
 
     try:
         trainer = GRPOTrainer(cfg, data)

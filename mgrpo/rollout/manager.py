@@ -23,6 +23,7 @@ from mgrpo.rollout.engine import request_seed
 from mgrpo.rollout.multiturn.driver import fail_aborted
 from mgrpo.rollout.types import GenerationRequest, Sample, SamplingParams, sample_dict
 from mgrpo.stopping import within
+from mgrpo.weights.sync import Export, NoEngine, WeightSync
 
 
 class RolloutError(RuntimeError):
@@ -263,28 +264,31 @@ def needs_initial_weights(cfg) -> bool:
     return cfg.rollout.engine in ("remote", "sglang")
 
 
-def make_transport(cfg, engine):
-    """The weight transport: the engine's own, on the ranks that own an engine; for remote servers with
-    `rollout.remote.transport: collective`, one on every rank (each pipeline stage sends its own weights)."""
+def make_weight_sync(cfg, engine) -> WeightSync:
+    """This rank's `WeightSync`: the engine's own transport on the ranks that own an engine (`NoEngine` on the
+    others: they drive their share of the export); for collective broadcast (remote `transport: collective`,
+    SGLang) one on every rank, each pipeline stage sending its own weights."""
     bucket_bytes, remote = cfg.rollout.update_bucket_mb << 20, cfg.rollout.remote
     if adapter_sync(cfg):
         from mgrpo.models.lora import peft_config
-        from mgrpo.rollout.transports.lora_adapter import AdapterTransport
+        from mgrpo.weights.transports.lora_adapter import AdapterTransport
 
-        return AdapterTransport(engine, peft_config(cfg.model.lora, cfg.model.path)) if engine is not None else None
+        return (
+            AdapterTransport(engine, peft_config(cfg.model.lora, cfg.model.path)) if engine is not None else NoEngine()
+        )
     if cfg.rollout.engine == "sglang":
-        from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
+        from mgrpo.weights.transports.collective_sglang import SGLangCollectiveTransport
 
         return SGLangCollectiveTransport(
             engine, bucket_bytes, bind=remote.collective_bind, timeout_s=remote.update_timeout_s, ca_file=remote.ca_file
         )
     if cfg.rollout.engine == "remote" and cfg.rollout.remote.transport == "collective":
-        from mgrpo.rollout.transports.collective import CollectiveTransport
+        from mgrpo.weights.transports.collective import CollectiveTransport
 
         return CollectiveTransport(
             engine, bucket_bytes, bind=cfg.rollout.remote.collective_bind, timeout_s=cfg.rollout.remote.update_timeout_s
         )
-    return engine.weight_transport(bucket_bytes) if engine is not None else None
+    return engine.weight_transport(bucket_bytes) if engine is not None else NoEngine()
 
 
 def adapter_sync(cfg) -> bool:
@@ -293,37 +297,16 @@ def adapter_sync(cfg) -> bool:
 
 
 def push_weights(
-    transport, model_chunks: list, version: int, owners: dict, bucket_bytes: int, adapter_only: bool = False
+    sync: WeightSync, model_chunks: list, version: int, owners: dict, bucket_bytes: int, adapter_only: bool = False
 ) -> int | None:
-    """Every rank drives the export (a collective); engine owners push it to their engine; then all ranks fail
-    together if any engine rejected it (the rejecting engine still serves its old version). A per-stage transport
-    (collective) takes the model chunks on every rank instead of one exported stream. `adapter_only`: the export
-    streams LoRA factors (PEFT names), not merged weights. Returns the bytes of HF tensors this rank's engine was
-    sent (0 without an engine; None for a per-stage transport, which streams no tensors here)."""
-    from mgrpo.models.lora import peft_tensors
-    from mgrpo.resharding.export import export_hf, full_hf_tensors
-
-    error, per_stage = None, getattr(transport, "per_stage", False)
-    tensors = peft_tensors if adapter_only else full_hf_tensors
-    sent = [0]
-
-    def counted(stream):
-        for name, t in stream:
-            sent[0] += t.numel() * t.element_size()
-            yield name, t
-
-    named_tensors = (
-        [] if per_stage else counted(export_hf(model_chunks, dst=owners, bucket_bytes=bucket_bytes, tensors=tensors))
-    )
-    if transport is not None:
-        try:
-            if per_stage:
-                transport.send_model(model_chunks, version)
-            else:
-                transport.send(named_tensors, version)
-        except Exception as exc:  # noqa: BLE001
-            error = f"rank {dist.get_rank()}: weight version {version} not applied: {type(exc).__name__}: {exc}"
-    for _ in named_tensors:  # ranks without an engine (and a failed push) still take part in the export
-        pass
+    """One weight version through this rank's `WeightSync` (every rank calls it: the export is a collective); then
+    all ranks fail together if any engine rejected it (the rejecting engine still serves its old version).
+    `adapter_only`: the export streams LoRA factors (PEFT names), not merged weights. Returns the bytes of HF
+    tensors streamed to this rank (None where the transport streams none: per-stage senders)."""
+    export, error = Export(model_chunks, owners, bucket_bytes, adapter_only), None
+    try:
+        sync.push(export, version)
+    except Exception as exc:  # noqa: BLE001
+        error = f"rank {dist.get_rank()}: weight version {version} not applied: {type(exc).__name__}: {exc}"
     fail_together(error, list(owners.values()))
-    return None if per_stage else sent[0]
+    return export.bytes

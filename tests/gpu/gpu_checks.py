@@ -165,7 +165,7 @@ def check_parity(args, root: str) -> dict:
     from mgrpo.models.builder import build_model
     from mgrpo.models.forward import full_logits
     from mgrpo.models.tiny import make_tiny_hf
-    from mgrpo.resharding.load import load_hf
+    from mgrpo.weights.load import load_hf
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
@@ -318,8 +318,8 @@ def check_sync_7b(args, root: str) -> dict:
 
     from mgrpo.config import ParallelConfig
     from mgrpo.models.builder import build_model
-    from mgrpo.resharding.export import export_hf
     from mgrpo.rollout.engines.hf import HFEngine
+    from mgrpo.weights.export import export_hf
 
     shape = TINY_7B if args.tiny else QWEN25_7B
     model_dir = os.path.join(root, "q7b")
@@ -364,7 +364,7 @@ CHILD = """
 import json, sys, hashlib
 sys.path.insert(0, {root!r})
 import torch
-from mgrpo.rollout.transports.buffers import open_buffer
+from mgrpo.weights.transports.buffers import open_buffer
 buf = open_buffer(json.loads(sys.stdin.read()))
 print(hashlib.sha256(buf.view.cpu().numpy().tobytes()).hexdigest())
 """
@@ -376,7 +376,7 @@ def check_cuda_ipc(args, root: str) -> dict:
 
     import torch
 
-    from mgrpo.rollout.transports.buffers import CudaIpcBuffer
+    from mgrpo.weights.transports.buffers import CudaIpcBuffer
 
     if not torch.cuda.is_available():
         return dict(ok=True, cuda_ipc="skipped(no CUDA)")

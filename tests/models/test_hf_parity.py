@@ -5,7 +5,7 @@ import torch
 
 from mgrpo.models.builder import build_model
 from mgrpo.models.forward import full_logits
-from mgrpo.resharding.load import load_hf
+from mgrpo.weights.load import load_hf
 
 ABS, REL = 1e-5, 1e-4
 REL_FLOOR = 1e-2  # rel = |ours - ref| / max(|ref|, 1e-2): near-zero logits only have fp32 noise in their ratio

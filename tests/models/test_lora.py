@@ -9,8 +9,8 @@ from mgrpo.config import LoraConfig, ParallelConfig
 from mgrpo.models.builder import build_model
 from mgrpo.models.forward import full_logits
 from mgrpo.models.lora import adapters, adapters_disabled, apply_lora, load_peft_tensors, peft_tensors, trainable_count
-from mgrpo.resharding.export import export_hf
-from mgrpo.resharding.load import load_hf
+from mgrpo.weights.export import export_hf
+from mgrpo.weights.load import load_hf
 
 TOL = 1e-5
 SUBSETS = {

@@ -35,7 +35,7 @@ def test_moe_spec_follows_hf_layer_rule():
 def test_moe_parity_fails_with_two_experts_swapped(single_rank, tiny_dirs, monkeypatch):
     """Negative control for test_hf_parity's qwen3_moe case: experts 0 and 1 of every layer read each other's
     tensors; the same comparison must fail."""
-    from mgrpo.resharding import mappings
+    from mgrpo.weights import mappings
 
     def swapped(self, reader, rank, size):
         e = self.ep_rank * self.per_rank + self.local
@@ -57,7 +57,7 @@ def test_router_metrics_equal_hf_load_balancing_loss(single_rank, tiny_dirs):
 
     from mgrpo.models.builder import build_model
     from mgrpo.models.router_stats import RouterStats, tokens_of
-    from mgrpo.resharding.load import load_hf
+    from mgrpo.weights.load import load_hf
 
     hf_dir = tiny_dirs("qwen3_moe", **CASES["qwen3_moe"])
     g = torch.Generator().manual_seed(3)

@@ -82,7 +82,7 @@ def _owner_table():
 
 
 def _export_coords():
-    from mgrpo.resharding.export import rank_coords
+    from mgrpo.weights.export import rank_coords
 
     assert rank_coords().tolist() == [[0, 0, 0, 0, 0]]
 

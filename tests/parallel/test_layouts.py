@@ -92,7 +92,7 @@ def test_negative_controls_are_detected(layout_results, tag):
 
 def test_reference_has_gradients(layout_results):
 
-    from mgrpo.resharding.load import SafetensorsReader
+    from mgrpo.weights.load import SafetensorsReader
 
     ref = load_layout(layout_results, "tp1")
     assert len(ref["grads"]) == 3 + 4 * 12  # embed, norm, lm_head; per layer 2 norms, q/k/v w+b, o, gate, up, down

@@ -44,7 +44,7 @@ def test_lora_negative_control_is_detected(layout_results):
 def test_lora_reference_trains_adapters_only(layout_results):
     """TP1: a gradient for every factor (4 layers x 7 modules x A, B) and none for the base; after the step only
     the adapted linears' merged weights moved (norms and embeddings are the checkpoint's, bit for bit)."""
-    from mgrpo.resharding.load import SafetensorsReader
+    from mgrpo.weights.load import SafetensorsReader
 
     ref = load_layout(layout_results, "tp1-lora")
     assert len(ref["grads"]) == 4 * 7 * 2

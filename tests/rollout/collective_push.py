@@ -57,7 +57,7 @@ def main() -> None:
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
     from mgrpo.rollout.engines.remote import RemoteEngine
-    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     cfg = load_config(
         argv=["--model.path", args.model, "--parallel.tp", str(args.tp), "--parallel.pp", str(args.pp)],
@@ -69,7 +69,7 @@ def main() -> None:
     engine = None
     if args.engine == "sglang":
         from mgrpo.rollout.engines.sglang import SGLangEngine as RemoteEngine  # noqa: F811
-        from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport as CollectiveTransport
+        from mgrpo.weights.transports.collective_sglang import SGLangCollectiveTransport as CollectiveTransport
     if dist.get_rank() == 0:
         engine = RemoteEngine(
             args.servers.split(","),

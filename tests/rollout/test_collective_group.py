@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mgrpo.resharding.bucket import pack_bucket
+from mgrpo.weights.bucket import pack_bucket
 
 
 def _tensors(seed: int):
@@ -23,7 +23,7 @@ def _tensors(seed: int):
 
 
 def _peer(rank: int, port: int, backend: str, out):
-    from mgrpo.rollout.transports.collective_group import join_group, receive_buckets, send_bucket, send_end
+    from mgrpo.weights.transports.collective_group import join_group, receive_buckets, send_bucket, send_end
 
     if backend == "nccl":
         torch.cuda.set_device(rank)

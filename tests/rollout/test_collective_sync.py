@@ -71,7 +71,7 @@ def versions(servers):
 def test_tp1_push_equals_the_trainer_on_both_replicas(single_rank, env):
     from engine_helpers import trainer_actor
 
-    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     engine = connect(env["servers"])
     transport = CollectiveTransport(engine, 1 << 20)
@@ -132,7 +132,7 @@ def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, vers
 
 
 def test_a_wrong_nonce_is_refused(env):
-    from mgrpo.rollout.transports.collective_group import join_group
+    from mgrpo.weights.transports.collective_group import join_group
 
     srv = env["servers"][0]
     engine = connect([srv])
@@ -148,8 +148,8 @@ def test_a_wrong_nonce_is_refused(env):
 def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env):
     from engine_helpers import trainer_actor
 
-    from mgrpo.rollout.transports.collective import CollectiveTransport
     from mgrpo.rollout.types import SamplingParams
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     servers = env["servers"]
     engine = connect(servers)

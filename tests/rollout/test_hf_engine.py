@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 
-from mgrpo.resharding.bucket import BucketError, make_buckets, view_buckets
 from mgrpo.rollout.engines.hf import HFEngine, processed_logprobs, request_generator
 from mgrpo.rollout.types import SamplingParams
+from mgrpo.weights.bucket import BucketError, make_buckets, view_buckets
 
 T = 0.7
 

@@ -1,5 +1,5 @@
 """The HTTP bucket body and the server's streaming check, without a server: the digest computed while sending and
-while receiving (any chunking) equals `mgrpo.resharding.bucket.digest` over the same bucket packed in memory; a
+while receiving (any chunking) equals `mgrpo.weights.bucket.digest` over the same bucket packed in memory; a
 flipped byte, a changed manifest, a cut trailer are each refused."""
 
 import random
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from mgrpo.resharding.bucket import BucketError, bucket_header, pack_bucket, read_bucket
-from mgrpo.rollout.transports.http_buckets import TRAILER, StreamCheck, bucket_body
+from mgrpo.weights.bucket import BucketError, bucket_header, pack_bucket, read_bucket
+from mgrpo.weights.transports.http_buckets import TRAILER, StreamCheck, bucket_body
 
 
 def items():

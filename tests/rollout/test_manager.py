@@ -111,7 +111,7 @@ def test_the_trainer_step_fails_on_every_rank_with_that_line(single_rank, tmp_pa
 def test_in_process_transport_hands_over_views_not_copies():
     import torch
 
-    from mgrpo.rollout.transports.in_process import InProcessTransport
+    from mgrpo.weights.transports.in_process import InProcessTransport
 
     class Recorder(ScriptedEngine):
         def update_weights(self, buckets, version):

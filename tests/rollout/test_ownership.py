@@ -2,7 +2,7 @@
 (logged); versions strictly increase within a process; a resumed process of the same run replaces the old one,
 which is refused from then on. The same rules against a real server: tests/rollout/test_remote_faults.py."""
 
-from mgrpo.rollout.serving.ownership import Ownership
+from mgrpo.serving.ownership import Ownership
 
 
 def test_the_rules():

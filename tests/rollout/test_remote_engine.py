@@ -25,8 +25,8 @@ from engine_helpers import diffs_after_push, reqs, run, trainer_actor
 from servers import TOKEN, Server, http
 
 from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
-from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
+from mgrpo.weights.sync import WeightSyncError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 0.7
@@ -64,7 +64,7 @@ def connect(server, dirs, **kw):
 
 
 def push(engine, model_dir, bucket_bytes=1 << 20):
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.export import export_hf
 
     version = next(_versions)
     items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=1 << 20)
@@ -122,7 +122,7 @@ def test_every_route_but_health_wants_the_token(server):
 
 
 def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, server, dirs):
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.export import export_hf
 
     engine = connect(server, dirs)
     _, good = push(engine, dirs["other"])
@@ -158,7 +158,7 @@ def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, s
 def test_collective_sync_to_a_server_without_it_names_the_flag(single_rank, server, dirs):
     """rollout.remote.transport: collective against a server started without --transport collective: the open
     answers 404 and the update fails with one line that names the flag."""
-    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     engine = connect(server, dirs)
     transport = CollectiveTransport(engine, 1 << 20, timeout_s=30)

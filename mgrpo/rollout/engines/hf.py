@@ -17,10 +17,10 @@ import torch
 from mgrpo.models.routing import encode_routing
 from mgrpo.parallel.cpu_shims import without_shims
 from mgrpo.parallel.device import device
-from mgrpo.resharding.bucket import ManifestCheck, dtype_name
 from mgrpo.rollout.engine import Capabilities, register_engine
-from mgrpo.rollout.transports.in_process import InProcessTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
+from mgrpo.weights.bucket import ManifestCheck, dtype_name
+from mgrpo.weights.transports.in_process import InProcessTransport
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from mgrpo.rollout.control import ServerCallError, http_json, tls_context
+from mgrpo.netutil import ServerCallError, http_json, tls_context
 from mgrpo.rollout.engine import Capabilities, register_engine
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
@@ -286,7 +286,7 @@ class RemoteEngine:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
-        from mgrpo.rollout.transports.http_buckets import HttpBucketTransport
+        from mgrpo.weights.transports.http_buckets import HttpBucketTransport
 
         return HttpBucketTransport(
             self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s, algo=self.checksum), **kwargs)
@@ -297,7 +297,7 @@ class RemoteEngine:
         lora_routes.py); generation then names the adapter. A replica that fails is excluded (the others serve)."""
         import json
 
-        from mgrpo.rollout.serving.lora_routes import CONFIG_HEADER
+        from mgrpo.serving.lora_routes import CONFIG_HEADER
 
         with open(os.path.join(folder, "adapter_config.json")) as f:
             config = json.dumps(json.load(f))
@@ -324,7 +324,7 @@ class RemoteEngine:
 
     def update_headers(self) -> dict:
         """What every PUT and commit carries: the token, this run and this process (serving/ownership.py)."""
-        from mgrpo.rollout.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
+        from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER
 
         return dict(
             self.headers,

@@ -2,7 +2,7 @@
 
 vLLM cannot live in the trainer's own process (AsyncLLM needs its own engine-core process; an in-process
 `LLM` under torchrun builds process groups over the whole world and hangs), so each engine owner starts
-`mgrpo.rollout.serving.vllm_child` in its own session, talks to it over a Unix socket in a 0700 directory with a
+`mgrpo.serving.vllm_child` in its own session, talks to it over a Unix socket in a 0700 directory with a
 per-engine token, and pushes weights through shared buffers (`SharedMemoryTransport`). The child samples with
 exactly mgrpo's settings (`generation_config="vllm"`, nothing from the model folder), returns processed
 logprobs (those of the distribution sampled from), and dies with this process: `close()` at exit, and a
@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict
 
 from mgrpo.rollout.engine import Capabilities, register_engine
-from mgrpo.rollout.serving import local_rpc
-from mgrpo.rollout.transports.buffers import SHM_DIR, buffer_prefix
-from mgrpo.rollout.transports.shared_memory import SharedMemoryTransport
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
+from mgrpo.weights import local_rpc
+from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
+from mgrpo.weights.transports.shared_memory import SharedMemoryTransport
 
 _TORCHRUN_VARS = (
     "RANK",
@@ -119,7 +119,7 @@ class VLLMEngine:
         )  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mgrpo.rollout.serving.vllm_child"],
+            [sys.executable, "-m", "mgrpo.serving.vllm_child"],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,230 @@
+"""mgrpo's backend in vLLM's weight-transfer factory (`--weight-transfer-config '{"backend": "mgrpo_collective"}'`,
+registered by the worker extension at import): the worker side of `transports/collective.py`.
+
+vLLM's four phases, as the rollout server drives them (`weight_routes_collective.py`):
+  init_transfer_engine   join one group per trainer sender (the server's store, the nonce, this worker's rank)
+  start_weight_update    forget whatever a failed update left
+  update_weights         receive every sender's buckets, each checked against the model's manifest as it
+                         arrives (nothing unknown, nothing twice, shapes, dtypes); nothing is loaded yet
+  finish_weight_update   check the set is complete, then load it with vLLM's in-place `reload_weights`
+A failure before the load leaves the old weights serving ("rejected"); a failure during it is reported as
+"poisoned" (the engine may hold a mix). Staging the whole update costs a model's worth of memory per worker; with
+`stream` (the server's --collective-stream, on by default with CUDA: a 72B model does not fit twice on a GPU) the
+buckets go into `reload_weights` as they arrive, each still checked before it loads, and the completeness check
+comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on
+CPU and over NCCL on GPU with the same code (`collective_group.py`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from mgrpo.serving.vllm_moe import repack_cpu_experts
+from mgrpo.serving.vllm_settings import test_load_delay
+from mgrpo.weights.bucket import BucketError, ManifestCheck
+from mgrpo.weights.transports.collective_group import join_group, receive_buckets
+
+BACKEND = "mgrpo_collective"
+REJECTED, POISONED = "update rejected before loading, old weights still serve", "update failed while loading"
+
+
+@dataclass
+class CollectiveInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    nonce: str
+    senders: int
+    backend: str = "gloo"
+    timeout_s: float = 60.0  # for the senders to join
+    op_timeout_s: float = 600.0  # for one transfer (the server's --update-timeout-s)
+
+
+@dataclass
+class CollectiveUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    expected: dict = field(default_factory=dict)  # name -> [shape, dtype]
+    optional: list = field(default_factory=list)
+    probe_bytes: int = 0  # > 0: only time the wire (benchmarks): that many bytes into one preallocated buffer
+    probe_bucket: int = 0
+    stream: bool = False  # load each bucket as it arrives (bounded memory) instead of staging the whole update
+
+
+class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpdateInfo]):
+    init_info_cls = CollectiveInitInfo
+    update_info_cls = CollectiveUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.groups, self.buckets, self.check, self.receipt, self.probing = [], [], None, {}, False
+        self.streamed = False
+
+    def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
+        self.shutdown()
+        rank, size = _worker_rank(), self.parallel_config.world_size
+        self.groups = [
+            join_group(
+                init_info.host,
+                init_info.port,
+                init_info.nonce,
+                s,
+                1 + rank,
+                1 + size,
+                init_info.backend,
+                init_info.timeout_s,
+                bind=init_info.host,
+                op_timeout_s=init_info.op_timeout_s,
+            )
+            for s in range(init_info.senders)
+        ]
+
+    def start_weight_update(self) -> None:
+        self.buckets, self.check, self.receipt, self.probing, self.streamed = [], None, {}, False, False
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # no device sync needed: nothing loaded yet
+
+    def receive_weights(self, update_info: CollectiveUpdateInfo) -> None:
+        if not self.groups:
+            raise RuntimeError(f"{REJECTED}: no trainer has joined (POST /mgrpo/collective/open first)")
+        if update_info.probe_bytes:
+            return self._probe(update_info.probe_bytes, update_info.probe_bucket)
+        test_load_delay()
+        t0 = time.perf_counter()
+        self.check = ManifestCheck(
+            {k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
+            update_info.optional,
+            receiver="rollout server (collective)",
+        )
+        if update_info.stream:
+            return self._receive_and_load(t0)
+        lock = threading.Lock()
+
+        def take(group):  # every sender (pipeline stage) at the same time, one thread each
+            for bucket in receive_buckets(group):
+                with lock:
+                    self.check.add(bucket)
+                    self.buckets.append(bucket)
+
+        try:
+            with ThreadPoolExecutor(max_workers=len(self.groups)) as pool:
+                for future in [pool.submit(take, g) for g in self.groups]:
+                    future.result()
+        except BucketError as exc:
+            self.buckets = []
+            raise RuntimeError(f"{REJECTED}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001  (a sender gone, a timeout: the groups are unusable)
+            self.buckets = []
+            self.shutdown()
+            raise RuntimeError(
+                f"{REJECTED}: the weight broadcast broke ({type(exc).__name__}: {exc}); the groups "
+                f"are torn down, the trainer opens new ones"
+            ) from None
+        self.receipt = {"receive_s": time.perf_counter() - t0}
+
+    def _receive_and_load(self, t0: float) -> None:
+        """Streaming: one thread per sender receives and checks buckets into a short queue (two per sender); this
+        thread loads them as they come. Anything that fails once loading has begun poisons the server."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        ready, lock, done = queue.Queue(maxsize=2 * len(self.groups)), threading.Lock(), object()
+
+        def take(group):
+            try:
+                for bucket in receive_buckets(group):
+                    with lock:
+                        self.check.add(bucket)
+                    ready.put(bucket)
+                ready.put(done)
+            except BaseException as exc:  # noqa: BLE001  (handed to the loading thread)
+                ready.put(exc)
+
+        def arriving():
+            finished = 0
+            while finished < len(self.groups):
+                item = ready.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield from item.tensors()
+
+        threads = [threading.Thread(target=take, args=(g,), daemon=True) for g in self.groups]
+        for t in threads:
+            t.start()
+        try:
+            reload_weights(
+                self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True, weights_iterator=arriving()
+            )
+            repack_cpu_experts(self.model)
+        except Exception as exc:  # noqa: BLE001
+            self.shutdown()
+            raise RuntimeError(
+                f"{POISONED}, the engine holds a mix of versions (streamed update): {type(exc).__name__}: {exc}"
+            ) from None
+        self.streamed = True
+        self.receipt = {"receive_s": time.perf_counter() - t0, "reload_s": time.perf_counter() - t0, "streamed": True}
+
+    def _probe(self, nbytes: int, bucket: int) -> None:
+        """The limit a benchmark compares against: sender 0's plain broadcasts into one preallocated buffer, no
+        manifest, no check, no load (`CollectiveTransport.probe` is the other side)."""
+        group, self.probing = self.groups[0], True
+        buf = torch.empty(bucket, dtype=torch.uint8, device=group.device)
+        t0, left = time.perf_counter(), nbytes
+        while left > 0:
+            group.broadcast(buf[: min(left, bucket)]).wait()
+            left -= bucket
+        self.receipt = {"probe_s": time.perf_counter() - t0, "bytes": nbytes}
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        if self.probing:
+            return
+        try:
+            self.receipt.update(self.check.finish())
+        except BucketError as exc:
+            self.buckets = []
+            raise RuntimeError(f"{POISONED if self.streamed else REJECTED}: {exc}") from None
+        if self.streamed:
+            return
+        t0 = time.perf_counter()
+        try:
+            reload_weights(
+                self.vllm_config,
+                self.model,
+                weights_path=None,
+                is_checkpoint_format=True,
+                weights_iterator=(item for b in self.buckets for item in b.tensors()),
+            )
+            repack_cpu_experts(self.model)
+        except Exception as exc:  # noqa: BLE001
+            raise RuntimeError(f"{POISONED}, the engine holds a mix of versions: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.buckets = []
+        self.receipt["reload_s"] = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.close()
+        self.groups = []
+
+
+def _worker_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def register() -> None:
+    """Add this backend to vLLM's factory (once per process; the worker extension calls it at import)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, CollectiveReceiver)

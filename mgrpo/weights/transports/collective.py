@@ -1,0 +1,231 @@
+"""Weight sync by collective broadcast into remote rollout servers (`rollout.remote.transport: collective`).
+
+One sender per pipeline stage: each stage's (DP0, TP0, CP0) rank gathers its own stage's TP shards into full HF
+tensors (`weights/export.py::stage_tensors`) and broadcasts them, bucket by bucket, into one process group per
+server (`collective_group.py`); no rank ever holds more than its stage, and stages send at the same time. Each
+bucket is one flat buffer with its manifest, packed one tensor at a time as the export makes it
+(`weights/stream_pack.py`); the next bucket is gathered and packed while the current one is on the wire (two
+buffers, the gather in progress and one parameter's full tensors alive at most). The server checks every bucket
+against the model and the whole set for completeness before it loads anything (`serving/collective_receiver.py`).
+
+Control stays on HTTP, driven by the rank that owns the engine (global rank 0): it opens groups on the servers
+that have none (`POST /mgrpo/collective/open`: address, port and a one-time nonce come back, nothing listened
+before), shares them with the senders, and asks each server to take the version (`.../{version}/update`) while
+the senders broadcast. A server that breaks mid-broadcast is excluded (its group closed); at a later update, if
+it answers again, it gets new groups and the whole model. Every rank constructs this and calls `send_model`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from mgrpo.weights.export import stage_senders, stage_tensors
+from mgrpo.weights.stream_pack import StreamPacker, pack_stream
+from mgrpo.weights.sync import PerStageSync, WeightSyncError
+from mgrpo.weights.transports.collective_group import join_group, send_bucket, send_end
+
+
+class CollectiveTransport(PerStageSync):
+    def __init__(self, engine, bucket_bytes: int, bind: str = "127.0.0.1", timeout_s: float = 600.0):
+        """engine: the RemoteEngine on the rank that owns it (global rank 0), None elsewhere. The backend (gloo,
+        nccl) is the server's; `bind`: the address the senders' data connections use."""
+        self.engine, self.bucket_bytes, self.bind = engine, bucket_bytes, bind
+        self.timeout_s = timeout_s
+        self.senders = stage_senders()
+        self.me, self.stage = dist.get_rank(), mpu.get_pipeline_model_parallel_rank()
+        self.is_sender = self.me in self.senders
+        self.groups: dict = {}  # server name -> Group (on senders)
+        self.opened: set = set()  # servers with open groups (on the owner)
+        self.buffers = [None, None]  # the double buffer of flat buckets (on senders)
+
+    # -- control (the owner) -------------------------------------------------------------------------------------
+    def _open_new(self, targets: list) -> dict:
+        """{server: "keep" | {host, port, nonce, workers}} for every target; opens groups where none are."""
+        plan = {}
+        for r in targets:
+            if r.name in self.opened:
+                plan[r.name] = "keep"
+                continue
+            try:
+                info = self.engine.post(r, "/mgrpo/collective/open", {"senders": len(self.senders)}, timeout=30)
+                plan[r.name] = {
+                    k: info[k] for k in ("host", "port", "nonce", "workers", "backend", "timeout_s", "op_timeout_s")
+                }
+            except Exception as exc:  # noqa: BLE001
+                hint = " (start it with --transport collective)" if " -> 404 " in str(exc) else ""
+                self.engine.mark_down(r, f"cannot open collective groups{hint}: {exc}")
+        return plan
+
+    def send_model(self, model_chunks: list, version: int) -> dict | None:
+        """Push one weight version to every server that is up (or answers again). Returns the receipt on the owner
+        (None elsewhere); raises WeightSyncError on the owner when no server took it."""
+        from mgrpo.parallel.device import share_json
+
+        t0 = time.perf_counter()
+        targets = self.engine.rejoin_candidates() if self.engine else []
+        plan = share_json(self._open_new(targets) if self.engine else {}, [0])[0]
+        failed = self._join(plan) if self.is_sender else {}
+        if self.engine:
+            live = [r for r in targets if r.name in plan and r.name not in failed]
+            pool = ThreadPoolExecutor(max_workers=max(len(live), 1))
+            requests = {
+                r.name: pool.submit(self.engine.post, r, f"/mgrpo/collective/{version}/update", {}, self.timeout_s + 30)
+                for r in live
+            }
+        sent = self._broadcast(model_chunks, version, failed)
+        # every sender's failures reach the owner (one small JSON broadcast per sender)
+        reports = share_json({"failed": failed, **sent} if self.is_sender else {}, self.senders)
+        if not self.engine:
+            return None
+        broken = {name: why for rep in reports for name, why in rep.get("failed", {}).items()}
+        receipts = {}
+        for r in targets:
+            if r.name not in plan:
+                continue
+            why = broken.get(r.name)
+            try:
+                receipt = requests[r.name].result() if r.name in requests else None
+            except Exception as exc:  # noqa: BLE001
+                why = why or str(exc)
+            if why or receipt is None:
+                self.opened.discard(r.name)
+                self.engine.mark_down(r, f"weight version {version} not applied (collective): {why}")
+                continue
+            self.opened.add(r.name)
+            receipts[r.name], r.version = receipt, version
+        pool.shutdown(wait=False)
+        if not receipts:
+            raise WeightSyncError(
+                f"weight version {version} reached no rollout server: {self.engine.no_replica_left()}"
+            )
+        self.engine.version = version
+        first = next(iter(receipts.values()))
+        return dict(
+            version=version,
+            servers=sorted(receipts),
+            transport="collective",
+            senders=len(self.senders),
+            bytes=sum(rep.get("bytes", 0) for rep in reports),
+            buckets=sum(rep.get("buckets", 0) for rep in reports),
+            export_s=max(rep.get("export_s", 0.0) for rep in reports),
+            transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
+            receive_s=max(x.get("receive_s", 0.0) for x in receipts.values()),
+            server={name: {k: v for k, v in x.items() if k.endswith("_s")} for name, x in receipts.items()},
+            load_s=max(x.get("load_s", 0.0) for x in receipts.values()),
+            reset_s=max(x.get("reset_s", 0.0) for x in receipts.values()),
+            total_s=time.perf_counter() - t0,
+            tensors=first.get("tensors"),
+        )
+
+    # -- data (the senders) --------------------------------------------------------------------------------------
+    def _join(self, plan: dict) -> dict:
+        """Close the groups of servers no longer in the plan; join the new ones. Returns {server: why} failures."""
+        failed = {}
+        for name in [n for n in self.groups if plan.get(n) != "keep"]:
+            self.groups.pop(name).close()
+        for name, info in plan.items():
+            if info == "keep":
+                if name not in self.groups:
+                    failed[name] = "this sender holds no group for it"
+                continue
+            try:
+                self.groups[name] = join_group(
+                    info["host"],
+                    info["port"],
+                    info["nonce"],
+                    self.stage,
+                    0,
+                    1 + info["workers"],
+                    info["backend"],
+                    info["timeout_s"],
+                    bind=self.bind,
+                    op_timeout_s=min(info["op_timeout_s"], self.timeout_s),
+                )
+            except Exception as exc:  # noqa: BLE001
+                failed[name] = f"sender of stage {self.stage} could not join: {type(exc).__name__}: {exc}"
+        return failed
+
+    def _broadcast(self, model_chunks: list, version: int, failed: dict) -> dict:
+        """This stage's buckets into every live group, double-buffered; every DP0/CP0 rank drives the gathers."""
+        stats = dict(bytes=0, buckets=0, export_s=0.0, transfer_s=0.0)
+        inflight, t, on_wire = [], time.perf_counter(), None
+
+        def settle(pending):
+            for group_name, works in pending:
+                try:
+                    for w in works:
+                        w.wait()
+                except Exception as exc:  # noqa: BLE001  (a server gone mid-broadcast)
+                    failed.setdefault(group_name, f"broadcast broke: {type(exc).__name__}: {exc}")
+
+        def emit(bucket):
+            nonlocal inflight, t, on_wire
+            stats["export_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            started = self._start(failed, bucket)
+            settle(inflight)  # the previous bucket; this one is on the wire while the next is gathered and packed
+            inflight, on_wire = started, bucket  # (a tensor sent alone from its own memory lives until then)
+            stats["transfer_s"] += time.perf_counter() - t
+            stats["bytes"] += bucket.flat.numel()
+            stats["buckets"] += 1
+            t = time.perf_counter()
+
+        packer = StreamPacker(self.buffers, self.bucket_bytes, "aligned")
+        for bucket in pack_stream(stage_tensors(model_chunks, self.bucket_bytes), packer, version):
+            emit(bucket)
+        if self.is_sender:
+            t = time.perf_counter()
+            settle(inflight)
+            settle(self._start(failed, None))
+            stats["transfer_s"] += time.perf_counter() - t
+        for name in failed:
+            group = self.groups.pop(name, None)
+            if group is not None:
+                group.close()
+        return stats
+
+    def _start(self, failed: dict, bucket) -> list:
+        """[(server, works)]: one bucket (None: the end of this stage's stream) set going into every live group."""
+        names = [n for n in self.groups if n not in failed]
+        groups = [self.groups[n] for n in names]
+        started = send_bucket(groups, bucket) if bucket is not None else send_end(groups)
+        return [(n, works) for n, (_, works) in zip(names, started)]
+
+    def probe(self, nbytes: int, bucket_bytes: int) -> dict:
+        """The limit for benchmarks (single sender, after a send_model opened the groups): `nbytes` of plain
+        broadcasts of one preallocated buffer into every group, no export, no manifest, no load."""
+        import torch
+
+        buf = torch.zeros(bucket_bytes, dtype=torch.uint8)
+        pool = ThreadPoolExecutor(max_workers=len(self.groups))
+        calls = [
+            pool.submit(
+                self.engine.post,
+                r,
+                "/mgrpo/collective/probe",
+                {"bytes": nbytes, "bucket_bytes": bucket_bytes},
+                self.timeout_s,
+            )
+            for r in self.engine.replicas
+            if r.name in self.groups
+        ]
+        t0, left = time.perf_counter(), nbytes
+        while left > 0:
+            n = min(left, bucket_bytes)
+            for work in [g.broadcast(buf[:n]) for g in self.groups.values()]:
+                work.wait()
+            left -= n
+        sent_s = time.perf_counter() - t0
+        server = [c.result() for c in calls]
+        pool.shutdown()
+        return {"send_s": sent_s, "receive_s": max(x.get("probe_s", 0.0) for x in server), "bytes": nbytes}
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+        self.buffers = [None, None]

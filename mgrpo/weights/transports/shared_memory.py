@@ -1,0 +1,240 @@
+"""`SharedMemoryTransport`: weights to a colocated engine's worker through buffers both processes map.
+
+The trainer copies each exported tensor once into a buffer (cast to the engine's dtype on the way); the worker
+hands views of it to vLLM's `reload_weights`. POSIX shared memory on CPU, CUDA IPC on GPU (`transports/buffers.py`).
+
+`ring=0` (the CPU default) keeps one buffer per bucket, so the engine checks the whole update before loading any
+of it (all or nothing); `ring=k` cycles k buffers and the worker loads buckets as they arrive (bounded memory; the
+GPU default is 2). Buffers stay allocated between updates (first-touch page faults are paid once).
+
+Per update: an `update` request on the engine's control socket; meanwhile this side packs buckets (the copy
+overlaps the engine's dispatch of the request to its worker); the worker connects to this transport's data
+socket, receives the bucket descriptions (JSON) and answers with its result; then the engine's receipt comes back
+on the control socket.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import time
+from typing import Iterable
+
+import torch
+
+from mgrpo.weights import local_rpc
+from mgrpo.weights.bucket import align_up, digest, dtype_name
+from mgrpo.weights.sync import StreamSync, WeightSyncError
+from mgrpo.weights.transports.buffers import BUFFER_KINDS, buffer_prefix
+
+
+class _WorkerStopped(Exception):
+    def __init__(self, msg: dict):
+        super().__init__(msg.get("error", msg))
+        self.msg = msg
+
+
+class SharedMemoryTransport(StreamSync):
+    def __init__(
+        self,
+        engine,
+        bucket_bytes: int,
+        ring: int | None = None,
+        buffer_kind: str | None = None,
+        checksum: bool = False,
+        accept_timeout_s: float = 300.0,
+        update_timeout_s: float = 600.0,
+    ):
+        self.engine, self.bucket_bytes, self.checksum = engine, int(bucket_bytes), checksum
+        self.kind = buffer_kind or ("cuda_ipc" if torch.cuda.is_available() else "posix")
+        self.ring = (0 if self.kind == "posix" else 2) if ring is None else ring
+        if self.ring == 1:
+            raise ValueError(
+                "a ring of 1 buffer cannot stream (the worker holds one while the next is written); "
+                "use 0 (whole update staged) or >= 2"
+            )
+        self.channel = os.path.join(engine.dir, f"weights-{local_rpc.new_token()[:8]}.sock")
+        self.listener = local_rpc.listener(self.channel)
+        self.prefix = buffer_prefix(os.getpid(), engine.token)
+        self.buffers: list = []
+        self.accept_timeout_s = accept_timeout_s
+        self.update_timeout_s = update_timeout_s  # the engine's receipt (after its load) must come within this
+
+    def _buffer(self, slot: int, nbytes: int):
+        while len(self.buffers) <= slot:
+            self.buffers.append(None)
+        buf = self.buffers[slot]
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.close()
+            size = max(self.bucket_bytes, nbytes)
+            buf = BUFFER_KINDS[self.kind](f"{self.prefix}-{slot}-{size}", size)
+            self.buffers[slot] = buf
+        return buf
+
+    def _accept(self, ctl):
+        """The worker's connection, or the engine's early error reply (e.g. it is poisoned)."""
+        with selectors.DefaultSelector() as sel:  # poll/epoll: select() fails on descriptors above 1023
+            sel.register(self.listener, selectors.EVENT_READ)
+            sel.register(ctl, selectors.EVENT_READ)
+            ready = [key.fileobj for key, _ in sel.select(self.accept_timeout_s)]
+        if ctl in ready:
+            reply = local_rpc.recv(ctl)
+            raise WeightSyncError(f"engine {self.engine.name} refused the update: {reply.get('error', reply)}")
+        if not ready:
+            raise WeightSyncError(
+                f"engine {self.engine.name}'s worker did not connect within {self.accept_timeout_s:g} s"
+            )
+        data, _ = self.listener.accept()
+        data.settimeout(self.accept_timeout_s)
+        if local_rpc.recv(data).get("hello") != self.engine.token:
+            data.close()
+            raise WeightSyncError("a process without the engine's token connected to the weight channel")
+        return data
+
+    def send(self, named_tensors: Iterable[tuple], version: int, reset_cache: bool = True) -> dict:
+        """Push one weight version; returns the engine's receipt with timings. Raises WeightSyncError (after
+        draining `named_tensors`, which every rank drives) if the engine rejects or fails the update."""
+        t0, wall0 = time.perf_counter(), time.time()
+        stream = iter(named_tensors)
+        ctl = local_rpc.connect(self.engine.socket, timeout=self.update_timeout_s)
+        link = {"sock": None}
+
+        def worker():
+            if link["sock"] is None:
+                link["sock"] = self._accept(ctl)
+            return link["sock"]
+
+        try:
+            local_rpc.send(
+                ctl,
+                {
+                    "op": "update",
+                    "token": self.engine.token,
+                    "version": version,
+                    "channel": self.channel,
+                    "reset_cache": reset_cache,
+                },
+            )
+            try:
+                result, stats = self._stream(stream, worker, version)
+            finally:
+                if link["sock"] is not None:
+                    link["sock"].close()
+            reply = local_rpc.recv(ctl)
+        except (WeightSyncError, socket.timeout) as exc:
+            for _ in stream:  # the export is a collective every rank must finish
+                pass
+            if isinstance(exc, socket.timeout):
+                raise WeightSyncError(
+                    f"engine {self.engine.name} did not answer weight version {version} within "
+                    f"{self.update_timeout_s:g} s (rollout.request_timeout_s)"
+                ) from None
+            raise
+        finally:
+            ctl.close()
+        for _ in stream:
+            pass
+        if not reply.get("ok"):
+            raise WeightSyncError(f"engine {self.engine.name}: {reply.get('error') or result.get('error')}")
+        receipt = dict(reply["result"], **stats, send_total_s=time.perf_counter() - t0)
+        # this transport's own time: until the engine holds every bucket, checked, and vLLM's load step begins
+        receipt["to_load_s"] = receipt.pop("staged_at") - wall0
+        return receipt
+
+    def _stream(self, stream, worker, version: int) -> tuple:
+        """Pack `stream` into buffers; deliver bucket descriptions to the worker (`worker()` connects on first
+        use, so packing starts before the worker has connected); return (worker's result, timings)."""
+        target = getattr(torch, self.engine.dtype)
+        free = list(range(self.ring)) if self.ring else None
+        outbox, index, copy_s, wait_s, nbytes = [], 0, 0.0, 0.0, 0
+        cur = {"items": [], "used": 0, "slot": None}
+
+        def deliver():
+            sock = worker()
+            for msg in outbox:
+                local_rpc.send(sock, msg)
+            outbox.clear()
+            return sock
+
+        def take_slot():
+            nonlocal wait_s
+            if not self.ring:
+                return index
+            while not free:
+                sock = deliver()
+                t = time.perf_counter()
+                msg = local_rpc.recv(sock)
+                wait_s += time.perf_counter() - t
+                if "free" not in msg:
+                    raise _WorkerStopped(msg)
+                free.append(msg["free"])
+            return free.pop(0)
+
+        def flush():
+            nonlocal index
+            slot, buf = cur["slot"], self.buffers[cur["slot"]]
+            names, dtypes, shapes, offsets, sizes = (list(x) for x in zip(*cur["items"]))
+            manifest = dict(
+                version=version,
+                index=index,
+                count=0,
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                offsets=offsets,
+                nbytes=sizes,
+                sha256="",
+            )
+            if self.checksum:
+                manifest["sha256"] = digest(buf.view[: cur["used"]], manifest)
+            outbox.append(
+                {
+                    "bucket": manifest,
+                    "buffer": buf.describe(),
+                    "used": cur["used"],
+                    "slot": slot,
+                    "need_free": bool(self.ring) and not free,
+                }
+            )
+            index += 1
+            cur.update(items=[], used=0, slot=None)
+
+        try:
+            for name, t in stream:
+                dtype = target if t.is_floating_point() else t.dtype
+                n = t.numel() * dtype.itemsize
+                if cur["items"] and align_up(cur["used"]) + n > self.buffers[cur["slot"]].nbytes:
+                    flush()
+                if cur["slot"] is None:
+                    cur["slot"] = take_slot()
+                    self._buffer(cur["slot"], n)
+                buf, off = self.buffers[cur["slot"]], align_up(cur["used"])
+                tc = time.perf_counter()
+                buf.view[off : off + n].view(dtype).view(t.shape).copy_(t)
+                copy_s += time.perf_counter() - tc
+                cur["items"].append((name, dtype_name(dtype), list(t.shape), off, n))
+                cur["used"], nbytes = off + n, nbytes + n
+            if cur["items"]:
+                flush()
+            outbox.append({"end": index})
+            sock = deliver()
+            while True:  # late "free" notes may precede the worker's result
+                msg = local_rpc.recv(sock)
+                if "ok" in msg:
+                    break
+        except _WorkerStopped as stop:
+            msg = stop.msg
+        except (OSError, local_rpc.RpcError) as exc:
+            msg = {"ok": False, "error": f"weight channel broke: {exc}"}
+        return msg, {"copy_s": copy_s, "wait_s": wait_s, "bytes": nbytes, "buckets_sent": index}
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            if buf is not None:
+                buf.close()
+        self.buffers = []
+        self.listener.close()
+        if os.path.exists(self.channel):
+            os.unlink(self.channel)
