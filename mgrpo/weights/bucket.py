@@ -204,6 +204,29 @@ def pack_bucket(
     return Bucket(flat, manifest)
 
 
+def fits(size: int, nbytes: int, bucket_bytes: int, align: int = ALIGN) -> bool:
+    """Whether a tensor of `nbytes` joins a bucket already holding `size` bytes: its offset is `size` rounded up
+    to `align`, and the bucket may not pass `bucket_bytes` (an empty bucket takes any tensor, however large)."""
+    return size == 0 or -(-size // align) * align + nbytes <= bucket_bytes
+
+
+def cut_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, align: int = ALIGN) -> Iterator[list]:
+    """Where every weight bucket is cut: a (name, tensor) stream into lists of consecutive tensors that `fits`
+    `bucket_bytes` with each offset aligned to `align` (ALIGN for packed payloads, 1 for views). The packed and
+    view buckets here, the export's rank-to-rank groups (export.py) and the HTTP sender take their lists from
+    this function; the packers that copy as they go (stream_pack.py, transports/shared_memory.py) ask `fits`."""
+    pending, size = [], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if not fits(size, n, bucket_bytes, align):
+            yield pending
+            pending, size = [], 0
+        pending.append((name, t))
+        size = -(-size // align) * align + n
+    if pending:
+        yield pending
+
+
 def make_buckets(
     named_tensors: Iterable[tuple], bucket_bytes: int, version: int, checksum: bool = True
 ) -> Iterator[Bucket]:
@@ -212,16 +235,8 @@ def make_buckets(
 
     `count` in the manifest is 0 (unknown) while streaming; consumers stop when the iterator ends.
     """
-    pending, size, index = [], 0, 0
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if pending and align_up(size) + n > bucket_bytes:
-            yield pack_bucket(pending, version, index, checksum=checksum)
-            pending, size, index = [], 0, index + 1
-        pending.append((name, t))
-        size = align_up(size) + n
-    if pending:
-        yield pack_bucket(pending, version, index, checksum=checksum)
+    for index, items in enumerate(cut_buckets(named_tensors, bucket_bytes)):
+        yield pack_bucket(items, version, index, checksum=checksum)
 
 
 def bucket_header(items: list, version: int, index: int) -> tuple:
@@ -305,9 +320,8 @@ class ViewBucket:
 
 def view_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int) -> Iterator[ViewBucket]:
     """Group a (name, tensor) stream into ViewBuckets of about `bucket_bytes`, holding references only."""
-    pending, size, index = [], 0, 0
 
-    def emit():
+    def emit(pending: list, index: int) -> ViewBucket:
         m = dict(
             version=version,
             index=index,
@@ -321,15 +335,8 @@ def view_buckets(named_tensors: Iterable[tuple], bucket_bytes: int, version: int
         )
         return ViewBucket(list(pending), m)
 
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if pending and size + n > bucket_bytes:
-            yield emit()
-            pending, size, index = [], 0, index + 1
-        pending.append((name, t))
-        size += n
-    if pending:
-        yield emit()
+    for index, items in enumerate(cut_buckets(named_tensors, bucket_bytes, align=1)):
+        yield emit(items, index)
 
 
 def _views_problem(bucket: ViewBucket) -> str | None:

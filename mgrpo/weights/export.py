@@ -22,7 +22,7 @@ from mgrpo.models.lora import effective_weight
 from mgrpo.parallel.device import cpu_group
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.weights import direct_export
-from mgrpo.weights.bucket import Bucket, pack_bucket
+from mgrpo.weights.bucket import Bucket, cut_buckets, pack_bucket
 from mgrpo.weights.name_map import chunk_mappings
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -149,16 +149,8 @@ def _recv_bucket(src: int) -> Bucket:
 
 
 def _buckets_of(stream, bucket_bytes: int):
-    """Regroup a (name, tensor) stream into lists of about bucket_bytes."""
-    cur, size = [], 0
-    for name, t in stream:
-        cur.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield cur
-            cur, size = [], 0
-    if cur:
-        yield cur
+    """Regroup a (name, tensor) stream into lists within bucket_bytes, to send rank to rank (bucket.cut_buckets)."""
+    return cut_buckets(stream, bucket_bytes, align=1)
 
 
 def stage_senders() -> list:

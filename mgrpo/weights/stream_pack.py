@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mgrpo.weights.bucket import Bucket, align_up, dtype_name
+from mgrpo.weights.bucket import ALIGN, Bucket, align_up, dtype_name, fits
 
 
 class StreamPacker:
@@ -35,10 +35,9 @@ class StreamPacker:
         """Whether `t` goes into the current bucket (an empty bucket takes any tensor, however large)."""
         if not self.items:
             return True
-        off = self._offset(t)
-        if self.layout == "flattened" and off % t.element_size():
+        if self.layout == "flattened" and self.end % t.element_size():
             return False
-        return off + t.numel() * t.element_size() <= self.bucket_bytes
+        return fits(self.end, t.numel() * t.element_size(), self.bucket_bytes, ALIGN if self.layout == "aligned" else 1)
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Copy `t` into the current bucket (call `take()` first when `fits(t)` is False: the buffer `t` would go

@@ -245,3 +245,20 @@ def test_tampered_shape_is_caught_by_digest_and_by_manifest_check():
         r"manifest: tensor 'a\.weight': nbytes",
     ):
         ManifestCheck(expected_of(src)).add(decoded)
+
+
+def test_every_bucket_is_cut_by_one_rule():
+    """bucket.cut_buckets is where buckets are cut: packed buckets (64-byte offsets) and view buckets (no
+    padding) take their lists from it. Expected lists worked by hand for 40, 80, 20, 400, 12, 12 bytes in 128-byte
+    buckets."""
+    from mgrpo.weights.bucket import cut_buckets, make_buckets, view_buckets
+
+    sizes = [10, 20, 5, 100, 3, 3]  # float32 elements: 40, 80, 20, 400, 12, 12 bytes
+    stream = [(f"t{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    names = lambda lists: [[n for n, _ in items] for items in lists]  # noqa: E731
+    aligned = [["t0"], ["t1"], ["t2"], ["t3"], ["t4", "t5"]]  # 40 -> 64+80 > 128, ...; 12 -> 64+12 fits
+    packed_views = [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]  # 40+80 fits, +20 does not
+    assert names(cut_buckets(stream, 128)) == aligned
+    assert names(cut_buckets(stream, 128, align=1)) == packed_views
+    assert [b.manifest["names"] for b in make_buckets(stream, 128, version=1)] == aligned
+    assert [b.manifest["names"] for b in view_buckets(stream, 128, version=1)] == packed_views

@@ -21,7 +21,14 @@ from urllib.parse import urlsplit
 
 import torch
 
-from mgrpo.weights.bucket import DIGEST_HEX, BucketError, Digest, align_up, bucket_header, parse_bucket_header
+from mgrpo.weights.bucket import (
+    DIGEST_HEX,
+    BucketError,
+    Digest,
+    bucket_header,
+    cut_buckets,
+    parse_bucket_header,
+)
 from mgrpo.weights.sync import StreamSync, WeightSyncError
 
 TRAILER = DIGEST_HEX["sha256"]  # the body ends with the hex digest of payload and manifest (64 digits for sha256)
@@ -173,48 +180,32 @@ class HttpBucketTransport(StreamSync):
         if not targets:
             raise WeightSyncError(str(self.engine.no_replica_left()))
         digests, timing, sent_bytes, t = [], dict(export_s=0.0, transfer_s=0.0), 0, time.perf_counter()
-        pending, size, index = [], 0, 0
-        it = iter(named_tensors)
-        while True:
-            item = next(it, None)
-            if item is not None:
-                n = item[1].numel() * item[1].element_size()
-                if not pending or align_up(size) + n <= self.bucket_bytes:
-                    pending.append(item)
-                    size = align_up(size) + n
-                    continue
-            if pending:
-                header, total, manifest = bucket_header(pending, version, index)
-                timing["export_s"] += time.perf_counter() - t
-                t, sent = time.perf_counter(), {}
-                for replica in list(targets):
-                    try:
-                        got = self._request(
-                            replica,
-                            "PUT",
-                            f"/mgrpo/weights/{version}/{index}",
-                            lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
-                            len(header) + total + DIGEST_HEX[self.algo],
+        for index, pending in enumerate(cut_buckets(named_tensors, self.bucket_bytes)):
+            header, total, manifest = bucket_header(pending, version, index)
+            timing["export_s"] += time.perf_counter() - t
+            t, sent = time.perf_counter(), {}
+            for replica in list(targets):
+                try:
+                    got = self._request(
+                        replica,
+                        "PUT",
+                        f"/mgrpo/weights/{version}/{index}",
+                        lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
+                        len(header) + total + DIGEST_HEX[self.algo],
+                    )
+                    if got.get("digest") != sent.get("digest"):
+                        raise WeightSyncError(
+                            f"rollout server {replica.name} checked {self.algo} "
+                            f"{str(got.get('digest'))[:12]}..., sent "
+                            f"{str(sent.get('digest'))[:12]}..."
                         )
-                        if got.get("digest") != sent.get("digest"):
-                            raise WeightSyncError(
-                                f"rollout server {replica.name} checked {self.algo} "
-                                f"{str(got.get('digest'))[:12]}..., sent "
-                                f"{str(sent.get('digest'))[:12]}..."
-                            )
-                    except (ConnectionError, WeightSyncError) as exc:
-                        self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
-                        targets.remove(replica)
-                digests.append(sent.get("digest"))
-                sent_bytes += total
-                timing["transfer_s"] += time.perf_counter() - t
-                pending, size, index = [], 0, index + 1
-                if item is not None:
-                    pending.append(item)
-                    size = item[1].numel() * item[1].element_size()
-                t = time.perf_counter()
-            if item is None:
-                break
+                except (ConnectionError, WeightSyncError) as exc:
+                    self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
+                    targets.remove(replica)
+            digests.append(sent.get("digest"))
+            sent_bytes += total
+            timing["transfer_s"] += time.perf_counter() - t
+            t = time.perf_counter()
         timing["export_s"] += time.perf_counter() - t
         receipts = {}
 

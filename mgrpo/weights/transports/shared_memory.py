@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 
 from mgrpo.weights import local_rpc
-from mgrpo.weights.bucket import align_up, digest, dtype_name
+from mgrpo.weights.bucket import align_up, digest, dtype_name, fits
 from mgrpo.weights.sync import StreamSync, WeightSyncError
 from mgrpo.weights.transports.buffers import BUFFER_KINDS, buffer_prefix
 
@@ -205,7 +205,9 @@ class SharedMemoryTransport(StreamSync):
             for name, t in stream:
                 dtype = target if t.is_floating_point() else t.dtype
                 n = t.numel() * dtype.itemsize
-                if cur["items"] and align_up(cur["used"]) + n > self.buffers[cur["slot"]].nbytes:
+                if cur["items"] and not fits(
+                    cur["used"], n, self.buffers[cur["slot"]].nbytes
+                ):  # bucket.cut_buckets' rule
                     flush()
                 if cur["slot"] is None:
                     cur["slot"] = take_slot()
