@@ -503,7 +503,7 @@ def validate(cfg: Config) -> list[str]:
     return e
 
 
-def _tiny_only_for_its_path(cfg: Config, data: dict, overrides: dict) -> None:
+def _tiny_only_for_its_path(cfg: Config, overrides: dict) -> None:
     """`model.tiny` writes a random model at `model.path` when the folder is missing. It applies only to the path
     named beside it: a `--model.path` flag over a YAML that names `model.tiny` turns it off (a typo must not
     become a random model), unless `--model.tiny` is given too."""
@@ -618,7 +618,7 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
         except PluginError as exc:
             errors.append(str(exc))
     if not errors:
-        _tiny_only_for_its_path(cfg, data if isinstance(data, dict) else {}, overrides)
+        _tiny_only_for_its_path(cfg, overrides)
         _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
         found = validate(cfg)
         errors += found if check_files else [x for x in found if not x.startswith(("data.path", "eval.path"))]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mgrpo.actor import Actor, reference_policy
 from mgrpo.checkpoint import Saver, load_training_state, pause_point
-from mgrpo.data.batching import build_generation_batch, describe_batching, sequence_kl
+from mgrpo.data.batching import build_generation_batch, describe_batching, generation_batch_kl
 from mgrpo.data.dataset import PromptStream, load_run_data
 from mgrpo.data.dynamic_sampling import collect, unit_groups
 from mgrpo.data.tokenizer import load_tokenizer
@@ -137,7 +137,7 @@ class GRPOTrainer:
                     batch.set_logprobs(key, actor)
         rewards = batch.trained_rewards()  # samples that train nothing leave the group statistics (DAPO)
         if self.ref is not None and alg.kl_in_reward:
-            seq_kl = sequence_kl(batch)
+            seq_kl = generation_batch_kl(batch)
             rewards = penalize_rewards(rewards, seq_kl, alg.kl_coef)
             extra["actor/kl_ref"] = float(seq_kl[batch.valid].mean()) if batch.valid.any() else 0.0
         adv = compute_advantages(alg.advantage, rewards, batch.group_ids, alg, lengths=batch.lengths)

@@ -226,10 +226,12 @@ def this_rank_share(chunk: list, t, dp_rank: int, dp: int) -> tuple:
     return local, budget_groups([lengths[i] for i in local], t.max_tokens_per_microbatch, t.sequence_packing)
 
 
-def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
-    """Per-sample sum of k1 = old - ref logprob over loss tokens (CP ranks add their chunks), on every rank."""
+def generation_batch_kl(batch: GenerationBatch) -> torch.Tensor:
+    """Per-sample sum of k1 = old - ref logprob over loss tokens (loss.kl.sequence_kl on each micro-batch; CP ranks
+    add their chunks), on every rank: the penalty of algorithm.kl_in_reward."""
     import torch.distributed as dist
 
+    from mgrpo.loss.kl import sequence_kl
     from mgrpo.parallel.device import cpu_group
     from mgrpo.parallel.state import holds_metrics
 
@@ -237,7 +239,7 @@ def sequence_kl(batch: GenerationBatch) -> torch.Tensor:
     if holds_metrics():
         for mini in batch.minibatches:
             for mb in mini.microbatches:
-                kl = ((mb["old_logp"] - mb["ref_logp"]) * mb["loss_mask"]).sum(-1)
+                kl = sequence_kl(mb["old_logp"], mb["ref_logp"], mb["loss_mask"])
                 for row, idx in enumerate(mb["sample_index"]):
                     out[mini.local[idx]] = float(kl[row])
     dist.all_reduce(out, group=cpu_group())

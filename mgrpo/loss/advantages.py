@@ -1,6 +1,6 @@
 """Outcome advantages from per-sample rewards and group ids: ``fn(rewards [N], group_ids [N], cfg) -> [N]`` float32.
 
-Estimators (ms-swift ``advantage_estimator``; walkthrough in ``shared/seeds``, lines 1038-1043, ms-swift
+Estimators (ms-swift ``advantage_estimator``; modelscope/ms-swift, swift/trainers/rlhf_trainer/grpo_trainer.py
 ``_compute_advantages`` L481-575):
 
 - ``grpo``: ``A_i = r_i - mean_g(r)``.

@@ -22,7 +22,7 @@ Each loss declares the aggregation it is defined with (``DEFAULT_AGGREGATION``),
 unset: GSPO is a sequence-level objective (arXiv:2507.18071 eq. 5: a mean over the group's sequences of a
 length-normalised sequence term), and verl's ``compute_policy_loss_gspo`` hard-codes ``seq-mean-token-mean``.
 
-Losses (ratio ``r = pi_theta / pi_old``; ms-swift walkthrough in ``shared/seeds`` lines 1082-1101, 1750-1751):
+Losses (ratio ``r = pi_theta / pi_old``; as in ms-swift's GRPO trainer, modelscope/ms-swift, swift/trainers/rlhf_trainer/grpo_trainer.py):
 
 - ``ppo_clip``: ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``; dual clip (opt-in): where ``A < 0`` the loss is
   further capped at ``-A * clip_ratio_c`` (``cfg.clip_ratio_c``; default None = off, as ms-swift's ``delta``; verl's

@@ -1,24 +1,25 @@
 """ms-swift ``loss_type`` names as presets: (policy loss, aggregation, scale_rewards, epsilon overrides).
 
-Source: the ms-swift walkthrough in ``shared/seeds/000_70fec42e8a60bc69.txt`` (``_compute_loss_and_metrics``):
+Source: ms-swift's GRPO trainer (modelscope/ms-swift, swift/trainers/rlhf_trainer/grpo_trainer.py,
+``_compute_loss_and_metrics``):
 
 ==========  ==========  ===========================  =============  ==============  ==============================
 Presets fill only what the user left unset (YAML or flag): ``loss_type: dapo`` with ``epsilon_high: 0.35`` keeps
 0.35. The start-up log says where every resolved value came from (``mgrpo.config.describe_algorithm``).
 
-preset      policy      aggregation                  scale_rewards  eps low/high    seed lines (ms-swift lines)
+preset      policy      aggregation                  scale_rewards  eps low/high    ms-swift lines
 ==========  ==========  ===========================  =============  ==============  ==============================
-grpo        ppo_clip    seq-mean-token-mean          group          cfg             1104-1105, 1690 (L1240-1242)
-bnpo        ppo_clip    token-mean                   group          cfg             1106-1107 (L1243-1244)
-dr_grpo     ppo_clip    seq-mean-token-sum-norm      none           cfg             1108-1109 (L1245-1247)
-dapo        ppo_clip    token-mean                   group          0.2 / 0.28      1096, 1111-1112 (L1209, L1281-1284)
-cispo       cispo       token-mean                   group          - / 5.0         1111-1112, 1751 (L1192-1194, L1281)
-sapo        sapo        seq-mean-token-mean          group          - (tau 1/1.05)  1093, 1104-1105 (L1192-1204, L1240)
+grpo        ppo_clip    seq-mean-token-mean          group          cfg             L1240-1242
+bnpo        ppo_clip    token-mean                   group          cfg             L1243-1244
+dr_grpo     ppo_clip    seq-mean-token-sum-norm      none           cfg             L1245-1247
+dapo        ppo_clip    token-mean                   group          0.2 / 0.28      L1209, L1281-1284
+cispo       cispo       token-mean                   group          - / 5.0         L1192-1194, L1281
+sapo        sapo        seq-mean-token-mean          group          - (tau 1/1.05)  L1192-1204, L1240
 ==========  ==========  ===========================  =============  ==============  ==============================
 
-``scale_rewards='group'`` is ms-swift's default for the grpo estimator (seed line 1043). Not from the seed: Dr. GRPO's
+``scale_rewards='group'`` is ms-swift's default for the grpo estimator. Not from that trainer: Dr. GRPO's
 ``none`` (the Dr. GRPO paper drops the std division; ms-swift leaves it to ``--scale_rewards none``), DAPO's
-clip-higher 0.2 / 0.28 (DAPO paper; the seed only says clip-higher, line 1096) and CISPO's cap 5.0 (ms-swift's CISPO
+clip-higher 0.2 / 0.28 (DAPO paper; the trainer only says clip-higher) and CISPO's cap 5.0 (ms-swift's CISPO
 page, after ScaleRL). "cfg" means the preset leaves ``cfg.epsilon_low/high`` alone (None there = the policy loss's
 default, see ``mgrpo.loss.policy.DEFAULT_EPSILONS``).
 

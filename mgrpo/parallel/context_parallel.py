@@ -145,13 +145,6 @@ class _CPSum(torch.autograd.Function):
         return g, None
 
 
-def cp_all_reduce_sum(x: torch.Tensor, cp_group) -> torch.Tensor:
-    """Differentiable all-reduce SUM over the CP group (identity for no group / size 1); see `_CPSum`."""
-    if _group_rank_size(cp_group)[1] == 1:
-        return x
-    return _CPSum.apply(x, cp_group)
-
-
 def cp_seq_sum(cp_group) -> Callable[[torch.Tensor], torch.Tensor]:
     """`f(x[B, L_local]) -> [B]`: per-row sum over the whole sequence, i.e. over every CP rank's local tokens.
 

@@ -1,6 +1,6 @@
 """Make megatron-core run on CPU with gloo, without touching its files.
 
-Applied only when CUDA is absent (see ../shared/CPU_FACTS.md for what each patch answers):
+Applied only when CUDA is absent (each patch below names the megatron-core 0.16.1 call it answers):
 RNG calls routed to the CPU generator, `torch.cuda.current_device()` answering "cpu", a no-op
 `synchronize`, and a TorchFunctionMode that maps hard-coded `device="cuda"`, `.cuda()` and
 `pin_memory=True` to CPU and lets `tensor.type()` checks for `torch.cuda.FloatTensor` pass. CUDA streams are

@@ -58,10 +58,6 @@ def read_dist_env(environ=None) -> DistEnv:
     return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or free_port(), "single")
 
 
-def world_size_from_env(environ=None) -> int:
-    return read_dist_env(environ).world_size
-
-
 def shutdown_distributed() -> None:
     """Megatron's groups and the default process group destroyed, where they exist (at the end of a run)."""
     from megatron.core import parallel_state as mpu

@@ -23,19 +23,6 @@ class TensorReader:
         raise NotImplementedError
 
 
-class DictReader(TensorReader):
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, rows=None, cols=None):
-        t = self.tensors[name]
-        t = t[rows] if rows is not None else t
-        return (t[:, cols] if cols is not None else t).clone()
-
-
 def _all_gather(local: torch.Tensor, group) -> list:
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:

@@ -88,10 +88,10 @@ def _export_coords():
 
 
 def _kl_vector():
-    from mgrpo.data.batching import GenerationBatch, sequence_kl
+    from mgrpo.data.batching import GenerationBatch, generation_batch_kl
 
     empty = GenerationBatch(samples(2), [], None, None, None, torch.tensor([0, 0]), [2, 3], False)
-    assert sequence_kl(empty).tolist() == [0.0, 0.0]
+    assert generation_batch_kl(empty).tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize(
