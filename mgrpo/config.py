@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import yaml
 
-from mgrpo.config_checks import must, suggest
+from mgrpo.config_checks import suggest, validate_config
 from mgrpo.models.moe_options import MoeConfig  # read by the model builder, below this layer
 
 
@@ -413,96 +413,6 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def validate(cfg: Config) -> list[str]:
-    """Checks that need no model and no process group."""
-    e = []
-    p, r, a, t = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.train
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(p, name) < 1:
-            e.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    if p.vpp is not None and p.vpp < 1:
-        e.append(f"parallel.vpp={p.vpp} must be >= 1 or null")
-    if p.vpp and p.vpp > 1 and p.pp < 2:
-        e.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2; set --pp or drop --vpp")
-    if p.sp and p.tp < 2:
-        e.append("parallel.sp=true needs parallel.tp >= 2; set --tp 2 or --sp false")
-    w = cfg.model.tiny.warm_start if cfg.model.tiny else None
-    if w is not None:
-        e += must("model.tiny.warm_start.task", w.task, w.task == "addition", "addition (the one warm-start task)")
-        e += must("model.tiny.warm_start.steps", w.steps, w.steps >= 1, ">= 1")
-        e += must("model.tiny.warm_start.low", w.low, 0 <= w.low <= w.high, "in [0, model.tiny.warm_start.high]")
-    if not cfg.model.path:
-        e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
-    if cfg.model.params_dtype not in ("float32", "bfloat16"):
-        e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
-    from mgrpo.config_checks import (
-        async_problems,
-        check_algorithm_names,
-        check_algorithm_numbers,
-        check_checkpoint,
-        check_data,
-        check_eval,
-        check_length_rewards,
-        check_logging,
-        check_remote,
-        check_rewards,
-        check_sampling,
-        check_scheduler,
-        check_vllm,
-        lora_problems,
-        packing_problems,
-    )
-    from mgrpo.rollout.engine import engine_names
-
-    if r.engine not in engine_names():
-        e.append(f"rollout.engine={r.engine!r} is not available in this build; use one of: {', '.join(engine_names())}")
-    if r.engine == "vllm":
-        e += check_vllm(r)
-    if r.engine in ("remote", "sglang"):
-        e += check_remote(r)
-    e += check_scheduler(r) + check_rewards(cfg.reward) + check_length_rewards(cfg)
-    if r.engine_placement not in ("rank0", "per_dp"):
-        e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
-    if r.request_timeout_s <= 0:
-        e.append(f"rollout.request_timeout_s={r.request_timeout_s} must be > 0 seconds")
-    for name in ("n", "prompts_per_step", "max_tokens", "max_num_seqs", "max_inflight"):
-        if getattr(r, name) < 1:
-            e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
-    if not 0 < r.top_p <= 1:
-        e.append(f"rollout.top_p={r.top_p} must be in (0, 1]; use 1.0 to turn it off")
-    if r.top_k < 0:
-        e.append(f"rollout.top_k={r.top_k} must be >= 0; use 0 to turn it off")
-    if r.temperature <= 0:
-        e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
-    if a.scale_rewards not in (None, "group", "batch", "none"):
-        e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch, none or null")
-    names = check_algorithm_names(a)
-    e += names or check_algorithm_numbers(a)
-    e += check_sampling(a)
-    for name in ("steps", "micro_batch_size", "steps_per_generation", "num_iterations"):
-        e += must(f"train.{name}", getattr(t, name), getattr(t, name) >= 1, ">= 1")
-    if t.steps_per_generation >= 1 and r.prompts_per_step * r.n % t.steps_per_generation:
-        e.append(
-            f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
-            f"train.steps_per_generation={t.steps_per_generation}; choose a divisor"
-        )
-    if t.lr_schedule not in ("constant", "linear", "cosine"):
-        e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
-    e += must("train.lr", t.lr, t.lr > 0, "> 0", "the peak learning rate, e.g. 1e-6")
-    e += must("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0", "0 = no warmup")
-    if t.lr > 0:
-        e += must(
-            "train.min_lr",
-            t.min_lr,
-            0 <= t.min_lr <= t.lr,
-            f"in [0, train.lr={t.lr}]",
-            "the LR the schedule decays to, e.g. 0",
-        )
-    e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
-    e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg)
-    return e
-
-
 def _tiny_only_for_its_path(cfg: Config, overrides: dict) -> None:
     """`model.tiny` writes a random model at `model.path` when the folder is missing. It applies only to the path
     named beside it: a `--model.path` flag over a YAML that names `model.tiny` turns it off (a typo must not
@@ -620,7 +530,7 @@ def load_config(path: Optional[str] = None, argv: Optional[list[str]] = None, ch
     if not errors:
         _tiny_only_for_its_path(cfg, overrides)
         _resolve_algorithm(cfg, data if isinstance(data, dict) else {}, overrides)
-        found = validate(cfg)
+        found = validate_config(cfg)
         errors += found if check_files else [x for x in found if not x.startswith(("data.path", "eval.path"))]
     if errors:
         raise ConfigError(errors)

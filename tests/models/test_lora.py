@@ -128,7 +128,7 @@ def test_bad_lora_config_is_one_clear_line(argv, message):
 
 
 def test_rank_above_the_smallest_dimension_is_refused(model_dir):
-    from mgrpo.config_checks import lora_layout_problems
+    from mgrpo.layout_checks import lora_layout_problems
     from mgrpo.models.hf_config import read_model_info
 
     info = read_model_info(model_dir)

@@ -113,7 +113,7 @@ def test_router_metrics_equal_hf_load_balancing_loss(single_rank, tiny_dirs):
 @pytest.mark.parametrize("case", ["tp_without_sp", "ep_not_dividing", "dispatcher"])
 def test_moe_layout_errors_are_one_line(tiny_dirs, tmp_path, case):
     from mgrpo.config import ConfigError, load_config
-    from mgrpo.config_checks import validate_layout
+    from mgrpo.layout_checks import validate_layout
     from mgrpo.models.hf_config import read_model_info
 
     model = tiny_dirs("qwen3_moe", **CASES["qwen3_moe"])

@@ -100,7 +100,7 @@ def test_replay_gives_the_engines_experts_and_less_mismatch(batch):
 @pytest.mark.parametrize("case", ["dense", "vllm_cpu", "remote"])
 def test_replay_config_errors_are_one_line(tiny_dirs, case):
     from mgrpo.config import load_config
-    from mgrpo.config_checks import validate_layout
+    from mgrpo.layout_checks import validate_layout
     from mgrpo.models.hf_config import read_model_info
 
     model = (
