@@ -132,7 +132,10 @@ def main(argv: list | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         from mgrpo.cli.help import config_help
 
-        print(config_help())
+        try:
+            print(config_help(), flush=True)
+        except BrokenPipeError:  # `mgrpo-train --help | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
     try:

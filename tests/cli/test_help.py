@@ -26,3 +26,21 @@ def test_help_lists_every_field_with_type_default_and_meaning():
     assert "  --logging.overwrite bool (default False)\n      an output_dir holding an earlier run" in text
     assert "  --rollout.n int (default 4)\n      samples per prompt (group size)" in text
     assert text.startswith("usage: mgrpo-train [--config FILE.yaml]")
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`mgrpo-train --help | head -3`: no BrokenPipeError traceback, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        f"{sys.executable} {os.path.join(root, 'launch', 'train_grpo.py')} --help | head -3",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.stdout.startswith("usage: mgrpo-train") and len(r.stdout.splitlines()) == 3
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
