@@ -129,10 +129,15 @@ def reused_output_problem(cfg) -> list:
 def warnings_above_bar():
     """mgrpo's log records (warnings and up) printed above the progress bar, not into it: tqdm's own
     `logging_redirect_tqdm` on the "mgrpo" logger, with the logger's name in each line. A context manager,
-    entered here; RunLogger.close leaves it."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    entered here; RunLogger.close leaves it. A second run logger in the same process (one not closed yet) adds
+    no second handler: each warning prints once."""
+    import contextlib
+
+    from tqdm.contrib.logging import _TqdmLoggingHandler, logging_redirect_tqdm
 
     logger = logging.getLogger("mgrpo")
+    if any(isinstance(h, _TqdmLoggingHandler) for h in logger.handlers):
+        return contextlib.nullcontext()
     redirect = logging_redirect_tqdm(loggers=[logger])
     redirect.__enter__()
     for handler in logger.handlers:

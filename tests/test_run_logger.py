@@ -160,7 +160,8 @@ def test_config_completions_and_report_are_written(run_dir):
 
 def test_warnings_print_above_the_progress_bar(tmp_path, capsys):
     """While a run's bar is up, mgrpo's warnings go through tqdm.write (a line of their own above the bar, not
-    torn into it), named by logger; closing the run gives the handlers back."""
+    torn into it), named by logger, once each even with a second run logger open; closing gives the handlers
+    back."""
     import logging
 
     from tqdm.contrib.logging import _TqdmLoggingHandler
@@ -168,19 +169,25 @@ def test_warnings_print_above_the_progress_bar(tmp_path, capsys):
     from mgrpo.config import load_config
     from mgrpo.run_logger import RunLogger
 
-    cfg = load_config(
-        os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
-        ["--logging.output_dir", str(tmp_path / "run"), "--logging.tensorboard", "false"],
-        check_files=False,
-    )
-    before = list(logging.getLogger("mgrpo").handlers)
-    log = RunLogger(cfg, enabled=True)
+    def cfg(name):
+        return load_config(
+            os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
+            ["--logging.output_dir", str(tmp_path / name), "--logging.tensorboard", "false"],
+            check_files=False,
+        )
+
+    mgrpo_log = logging.getLogger("mgrpo")
+    for h in [h for h in mgrpo_log.handlers if isinstance(h, _TqdmLoggingHandler)]:
+        mgrpo_log.removeHandler(h)  # an earlier test's run logger that was never closed
+    before = list(mgrpo_log.handlers)
+    first, second = RunLogger(cfg("a"), enabled=True), RunLogger(cfg("b"), enabled=True)
     try:
-        handlers = logging.getLogger("mgrpo").handlers
-        assert [type(h) for h in handlers] == [_TqdmLoggingHandler]
+        assert [type(h) for h in mgrpo_log.handlers if h not in before] == [_TqdmLoggingHandler]
         capsys.readouterr()
         logging.getLogger("mgrpo.rewards").warning("reward 'x' failed for 2 samples")
-        assert "mgrpo.rewards: WARNING: reward 'x' failed for 2 samples\n" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.count("mgrpo.rewards: WARNING: reward 'x' failed for 2 samples\n") == 1, err
     finally:
-        log.close()
-    assert logging.getLogger("mgrpo").handlers == before
+        second.close()
+        first.close()
+    assert mgrpo_log.handlers == before
