@@ -163,3 +163,24 @@ def test_rollout_rooms(graph, room, forbidden):
         if any(t == f or t.startswith(f + ".") for f in forbidden)
     )
     assert bad == []
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    """Each module of the package imports on its own (a process started as `python -m mgrpo.serving.vllm_child`
+    meets a broken import only at run time otherwise)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, warnings, mgrpo\n"
+        "warnings.filterwarnings('ignore')\n"
+        "bad = []\n"
+        "for m in pkgutil.walk_packages(mgrpo.__path__, 'mgrpo.'):\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except Exception as exc:\n"
+        "        bad.append(f'{m.name}: {exc!r}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr[-2000:]

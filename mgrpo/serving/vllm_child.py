@@ -23,13 +23,12 @@ import threading
 import time
 
 from mgrpo.models.routing import encode_routing
-from mgrpo.serving import (
-    local_rpc,
-    vllm_worker,  # noqa: F401  (on CPU: vLLM's idle busy-polling shortened, inherited
-)
 
-#                                                by the engine core this process starts, see vllm_worker._quiet_idle_spin)
+# on CPU, vLLM's idle busy-polling is shortened (vllm_worker._quiet_idle_spin), inherited by the engine core this
+# process starts
+from mgrpo.serving import vllm_worker  # noqa: F401
 from mgrpo.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest, lora_engine_args
+from mgrpo.weights import local_rpc
 from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
 
 
