@@ -16,15 +16,13 @@ import sys
 def trainer_flags(argv: list) -> list:
     """The trainer's flags in the config's spelling: dotted keys with `_` (the dataclass fields), plain flags
     with `-` (--print-plan, --world-size, --external-plugins)."""
-    out, value_next = [], False
+    out = []
     for arg in argv:
-        if arg.startswith("--") and not value_next:
+        if arg.startswith("--"):
             key, eq, value = arg.partition("=")
             key = "--" + (key[2:].replace("-", "_") if "." in key else key[2:].replace("_", "-"))
-            out.append(key + eq + value)
-        else:
-            out.append(arg)
-        value_next = False
+            arg = key + eq + value
+        out.append(arg)
     return out
 
 

@@ -32,12 +32,8 @@ class Export:
     `adapter_only`: LoRA factors under PEFT names instead of merged weights."""
 
     def __init__(self, model_chunks: list, owners, bucket_bytes: int, adapter_only: bool = False):
-        self.model_chunks, self.owners, self.bucket_bytes, self.adapter_only = (
-            model_chunks,
-            owners,
-            bucket_bytes,
-            adapter_only,
-        )
+        self.model_chunks, self.owners = model_chunks, owners
+        self.bucket_bytes, self.adapter_only = bucket_bytes, adapter_only
         self.bytes: int | None = None  # HF tensor bytes streamed to this rank (None: nothing was streamed)
         self._stream: Iterator | None = None
 
