@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Run the test suite (CPU). Extra arguments go to pytest. pytest's exit 5 (no tests ran) is a failure.
+# Two xdist workers (MGRPO_TEST_WORKERS; 0 runs serially): a one-process test leaves the second core idle. Each
+# worker takes whole work units, a module or the layout launches' users (tests/conftest.py), longest first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "error: .venv missing; run: bash scripts/setup.sh" >&2; exit 2; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-"$PY" -m pytest -q -p no:cacheprovider --durations=15 "${@:-tests}"
+WORKERS=${MGRPO_TEST_WORKERS:-2}
+XDIST=()
+[ "$WORKERS" -gt 0 ] && XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 "${XDIST[@]}" "${@:-tests}"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests (exit 5)" >&2

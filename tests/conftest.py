@@ -8,6 +8,22 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Work units by their serial wall time, longest first (scripts/test.sh runs two xdist workers).
+LONGEST_FIRST = [
+    "layout_launches",
+    "tests/rollout/test_vllm_lora.py",
+    "tests/test_trainer_vllm.py",
+    "tests/test_checkpoint.py",
+    "tests/rollout/test_remote_engine.py",
+    "tests/parallel/test_trainer_layouts.py",
+    "tests/rollout/test_collective_sync.py",
+    "tests/rollout/test_vllm_engine.py",
+    "tests/test_trainer.py",
+    "tests/models/test_lora_train.py",
+    "tests/models/test_qwen3_moe.py",
+    "tests/parallel/test_moe_layouts.py",
+]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU machines")
@@ -15,7 +31,41 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs a Slurm cluster (tests/slurm_single_node.sh); MGRPO_SLURM_TESTS=1")
 
 
+# The users of `layout_results`: one xdist worker runs them all, so the session's layout launches run once.
+LAYOUT_FILES = {
+    "tests/test_actor.py",
+    "tests/parallel/test_layouts.py",
+    "tests/parallel/test_lora_layouts.py",
+    "tests/weights/test_export.py",
+}
+
+
+def work_unit(nodeid: str) -> str:
+    """The tests one xdist worker runs together: a module (its module-scoped engines and launches start once), or
+    every user of the session's layout launches (they would otherwise run once per worker)."""
+    path = nodeid.split("::")[0]
+    return "layout_launches" if path in LAYOUT_FILES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole work units per worker, in the order collected (xdist's own `loadgroup` cannot mark node ids under
+    pytest 9, which no longer keeps them in `_nodeid`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "layout_results" in item.fixturenames and item.nodeid.split("::")[0] not in LAYOUT_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses layout_results: add its file to LAYOUT_FILES in conftest.py")
+    # the longest units first, so that the two workers finish together (seconds from a serial --durations run)
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
