@@ -183,9 +183,12 @@ def main(argv=None) -> int:
         return serve_sglang(args, extra, token)
     import torch
 
+    from mgrpo.rollout.engines.vllm import in_core_worker_setting
+
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", in_core_worker_setting())
     import uvloop
 
     from mgrpo.serving.server import serve, vllm_args
