@@ -452,6 +452,18 @@ def format_plan(cfg, plan: dict) -> str:
         f"({'with' if t.use_distributed_optimizer else 'without'} the distributed optimizer, as configured)"
         f"; rollout engines not included"
     )
+    if cfg.rollout.engine == "vllm":
+        from mgrpo.rollout.placement import PlacementError, describe, planned_devices
+
+        dp_of = [0] * plan["world"]
+        for group in plan["groups"]["dp"]:
+            for i, r in enumerate(group):
+                dp_of[r] = i
+        try:
+            devices, hosts = planned_devices(cfg, dp_of)
+            lines.append(describe(devices, hosts, "vllm") + " (8 GPUs per node, every GPU visible to each rank)")
+        except PlacementError as exc:
+            lines.append(f"engines: cannot be placed: {exc}")
     return "\n".join(lines)
 
 

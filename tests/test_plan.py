@@ -302,3 +302,13 @@ def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
     assert proc.returncode == 0, proc.stderr[-2000:]
     print(proc.stdout)
     assert proc.stdout.strip().splitlines()[-1].endswith("within_30pct=1/1"), proc.stdout
+
+
+def test_the_7b_example_prints_which_engine_holds_which_gpus():
+    """examples/qwen2.5-7b.yaml: TP2 x DP4, a TP2 engine per replica: each on its replica's two GPUs (the map
+    `start_engine` prints at run time, from the same function)."""
+    proc = launch("--config", "examples/qwen2.5-7b.yaml", "--print-plan", "--world-size", "8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    print(line)
+    assert line.startswith("engines: vllm#0 GPUs 0,1; vllm#1 GPUs 2,3; vllm#2 GPUs 4,5; vllm#3 GPUs 6,7"), line

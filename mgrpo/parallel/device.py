@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -145,3 +146,30 @@ def share_json(payload, owners: list) -> list:
         dist.broadcast(buf, src, group=cpu_group())
         out.append(payload if me == src else json.loads(bytes(buf.numpy()).decode()))
     return out
+
+
+class PlacementError(ValueError):
+    """A rank or an engine cannot be given GPUs of its own; the message says which and what to change."""
+
+
+def visible_devices(env=None, device_count: int = 0) -> list:
+    """The GPUs this process may use, as physical ids: CUDA_VISIBLE_DEVICES (indices or `GPU-<uuid>`) when set,
+    else 0..device_count-1."""
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return [str(i) for i in range(device_count)]
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
+def local_device_index(local_rank: int, visible: list) -> int:
+    """The CUDA index this rank uses: its local rank when it sees the node's GPUs, 0 when Slurm bound one GPU to
+    the task (`--gpus-per-task=1`, `--gpu-bind=single:1`), where `set_device(local_rank)` fails."""
+    if len(visible) == 1:
+        return 0
+    if local_rank >= len(visible):
+        raise PlacementError(
+            f"local rank {local_rank} but this process sees {len(visible)} GPUs ({','.join(visible) or 'none'}); "
+            f"start at most {len(visible)} ranks per node (torchrun --nproc-per-node, srun --ntasks-per-node)"
+        )
+    return local_rank

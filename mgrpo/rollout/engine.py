@@ -58,9 +58,12 @@ def engine_names() -> list:
     return ENGINES.names()
 
 
-def make_engine(cfg, model_dir: str, tokenizer, index: int = 0) -> Engine:
+def make_engine(cfg, model_dir: str, tokenizer, index: int = 0, devices: list | None = None) -> Engine:
+    """`devices`: the physical GPUs a colocated engine may use (passed only when there are some: a factory that
+    starts a process on GPUs takes `devices=`)."""
     name = cfg.rollout.engine
-    engine = ENGINES.lookup(name, "rollout.engine")(cfg, model_dir, tokenizer)
+    factory = ENGINES.lookup(name, "rollout.engine")
+    engine = factory(cfg, model_dir, tokenizer, devices=devices) if devices else factory(cfg, model_dir, tokenizer)
     engine.name = f"{name}#{index}"
     return engine
 

@@ -240,14 +240,40 @@ def fail_together(error: str | None, owners: list) -> None:
         raise RolloutError(errors[0])
 
 
+def engine_gpus(cfg, owners: dict) -> tuple:
+    """(physical GPUs per engine, each engine's host), the same on every rank: a colocated vLLM engine gets the
+    GPUs of the trainer ranks it serves (`rollout/placement.py`); empty lists on CPU or for other engines."""
+    from megatron.core import parallel_state as mpu
+
+    from mgrpo.rollout.placement import RankDevice, engine_devices, engine_groups, my_device
+
+    me = my_device(device_count=torch.cuda.device_count())
+    world = dist.get_world_size()
+    table = share_json([me.host, me.device, mpu.get_data_parallel_rank()], list(range(world)))
+    ranks = [RankDevice(host, device) for host, device, _ in table]
+    hosts = [ranks[o].host for o in owners.values()]
+    if cfg.rollout.engine != "vllm":
+        return [[] for _ in owners], hosts
+    groups = engine_groups(cfg.rollout.engine_placement, [dp for _, _, dp in table], owners)
+    return engine_devices(ranks, groups, cfg.rollout.vllm.tensor_parallel_size), hosts
+
+
 def start_engine(cfg, tokenizer, owners: dict):
-    """This rank's engine (None where it owns none), started on every owner; all ranks fail together."""
+    """This rank's engine (None where it owns none), started on every owner; all ranks fail together. Rank 0
+    prints which engine holds which GPUs."""
     from mgrpo.rollout.engine import check_capabilities, make_engine
+    from mgrpo.rollout.placement import PlacementError, describe
 
     rank, index, engine, error = dist.get_rank(), owner_index(owners), None, None
+    try:
+        devices, hosts = engine_gpus(cfg, owners)
+    except PlacementError as exc:  # computed alike on every rank from the same table
+        raise RolloutError(str(exc)) from None
+    if rank == 0 and any(devices):
+        print(describe(devices, hosts, cfg.rollout.engine), flush=True)
     if index is not None:
         try:
-            engine = make_engine(cfg, cfg.model.path, tokenizer, index)
+            engine = make_engine(cfg, cfg.model.path, tokenizer, index, devices=devices[index])
             check_capabilities(engine, cfg)
         except Exception as exc:  # noqa: BLE001  (reported on every rank below)
             error = f"rank {rank}: the {cfg.rollout.engine} engine did not start: {type(exc).__name__}: {exc}"
