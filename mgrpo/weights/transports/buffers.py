@@ -22,6 +22,30 @@ def buffer_prefix(trainer_pid: int, token: str) -> str:
     return f"mgrpo-{trainer_pid}-{token[:8]}"
 
 
+class NoFence:
+    """CPU copies are complete when `copy_` returns."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+class CudaFence:
+    """An event per ring slot: recorded after the copies into the slot on the current stream, waited on before the
+    slot is described to a reader (or handed back to the writer). GPU only; not run on CPU."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+
+    def record(self) -> None:
+        self.event.record(torch.cuda.current_stream())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 class PosixShmBuffer:
     """A file under /dev/shm (0600, O_EXCL), mapped read-write by both sides. Unlinked by its creator."""
 
@@ -41,6 +65,9 @@ class PosixShmBuffer:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": self.path, "nbytes": self.nbytes}
+
+    def fence(self) -> NoFence:
+        return NoFence()
 
     @classmethod
     def open(cls, desc: dict) -> "PosixShmBuffer":
@@ -71,16 +98,22 @@ class CudaIpcBuffer:
     def __init__(self, name: str, nbytes: int, create: bool = True, view: torch.Tensor | None = None):
         self.name, self.nbytes = name, int(nbytes)
         self.view = view if view is not None else torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        self._described = None
 
     def describe(self) -> dict:
-        storage = self.view.untyped_storage()
-        fields = storage._share_cuda_()
-        return {
-            "kind": self.kind,
-            "nbytes": self.nbytes,
-            "device": torch.cuda.current_device(),
-            "handle": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields],
-        }
+        """The IPC handle, made once per buffer (each `_share_cuda_` call exports the allocation again)."""
+        if self._described is None:
+            fields = self.view.untyped_storage()._share_cuda_()
+            self._described = {
+                "kind": self.kind,
+                "nbytes": self.nbytes,
+                "device": torch.cuda.current_device(),
+                "handle": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields],
+            }
+        return self._described
+
+    def fence(self) -> CudaFence:
+        return CudaFence()
 
     @classmethod
     def open(cls, desc: dict) -> "CudaIpcBuffer":
