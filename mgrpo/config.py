@@ -106,6 +106,7 @@ class VLLMConfig:
     update_ring: Optional[int] = None  # weight buffers; 0 = stage the whole update (all or nothing; CPU default),
     #                                    k >= 2 = stream through k buckets (bounded memory; GPU default 2)
     update_checksum: bool = False  # sha256 every bucket (the buffers never leave the machine)
+    sleep_level: int = 0  # 0 awake | 1 weights to host, KV cache dropped | 2 both dropped, while the trainer trains
 
 
 @dataclass
@@ -238,6 +239,7 @@ class TrainConfig:
     warmup_steps: int = 0  # optimizer steps of linear warmup: step k of W trains at lr * k / W
     min_lr: float = 0.0  # where linear/cosine decay ends (at the last optimizer step)
     use_distributed_optimizer: bool = False
+    offload: str = "none"  # none | optimizer | optimizer+grads | all: to host memory while a colocated engine generates
     seed: int = 1234
 
 

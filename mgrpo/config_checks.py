@@ -466,6 +466,37 @@ def packing_problems(cfg) -> list:
     return []
 
 
+def colocate_problems(cfg) -> list:
+    """rollout.vllm.sleep_level / train.offload: the engine and the trainer take turns with one device."""
+    r, level, offload, e = cfg.rollout, cfg.rollout.vllm.sleep_level, cfg.train.offload, []
+    if level not in (0, 1, 2):
+        e.append(
+            f"rollout.vllm.sleep_level={level}; use 0 (awake), 1 (weights to host, KV dropped) or 2 (both dropped)"
+        )
+    if offload not in ("none", "optimizer", "optimizer+grads", "all"):
+        e.append(f"train.offload={offload!r}; use none, optimizer, optimizer+grads or all")
+    if not level and offload == "none":
+        return e
+    if r.engine != "vllm":
+        e.append(
+            f"rollout.vllm.sleep_level / train.offload make room for a colocated engine, and rollout.engine="
+            f"{r.engine!r} has none: use rollout.engine vllm, or leave them at 0 / none"
+        )
+    if r.mode != "sync":
+        e.append(
+            f"rollout.vllm.sleep_level / train.offload with rollout.mode={r.mode}: the engine generates while the "
+            f"trainer trains, so neither can give its memory to the other; use rollout.mode sync"
+        )
+    if offload != "none" and cfg.checkpoint.async_save:
+        e.append("train.offload with checkpoint.async_save: the save may still read what the offload frees; drop one")
+    if level == 2 and cfg.model.lora.rank > 0 and r.lora_sync == "adapter":
+        e.append(
+            "rollout.vllm.sleep_level=2 drops the engine's base weights and adapter-only sync never sends them "
+            "again (vllm#29341: garbage after the wake); use sleep_level 1 or rollout.lora_sync merged"
+        )
+    return e
+
+
 def validate_config(cfg) -> list[str]:
     """Every check that needs no model and no process group (config.load_config runs it; layout_checks.py has
     those against the model)."""
@@ -536,5 +567,5 @@ def validate_config(cfg) -> list[str]:
             "the LR the schedule decays to, e.g. 0",
         )
     e += check_logging(cfg.logging) + check_eval(cfg) + check_data(cfg.data) + check_checkpoint(cfg.checkpoint)
-    e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg)
+    e += async_problems(cfg) + lora_problems(cfg) + packing_problems(cfg) + colocate_problems(cfg)
     return e

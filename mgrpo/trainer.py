@@ -23,6 +23,7 @@ from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
+from mgrpo.rollout.colocate import ColocatedMemory
 from mgrpo.rollout.manager import (
     RolloutManager,
     adapter_sync,
@@ -54,11 +55,13 @@ class GRPOTrainer:
         self.owners = engine_owners(cfg.rollout.engine_placement)  # {dp rank: global rank} of each engine
         self.engine = start_engine(cfg, self.tokenizer, self.owners)  # None on ranks that own no engine
         self.weight_sync = make_weight_sync(cfg, self.engine)  # every rank: its WeightSync (NoEngine: no engine)
+        self.memory = ColocatedMemory(cfg, self.engine, self.actor)  # engine sleep and trainer offload, in turns
         self.rollout = RolloutManager(cfg, self.tokenizer, self.owners, self.engine, owner_index(self.owners) or 0)
         self.validator = val_set and Validator(cfg, val_set, self.rollout, self.tokenizer, write=self.rank == 0)
         self.saver, self.version = Saver(cfg), 0
         self.producer = RolloutProducer(cfg, self.rollout, self.prompts, cfg.train.steps)
         self.start_step = self.restore()
+        self.memory.offload()  # the first rollout runs with the trainer's memory on the host (train.offload)
         self.log = RunLogger(cfg, enabled=self.rank == 0, resume_step=self.start_step)  # cut back on resume
         self.update_metrics = []  # per optimizer step of the last rollout step (mini-batches x iterations)
         if self.rank == 0:
@@ -130,6 +133,7 @@ class GRPOTrainer:
         with timer("rollout"):
             pause_point("rollout", step)  # test hook: Ctrl-C mid-rollout
             samples, extra = self.collect(step)
+        self.memory.to_train()  # the engine sleeps, the trainer's memory comes back
         batch = build_generation_batch(samples, self.cfg, self.tokenizer.pad_token_id, warn=self.rank == 0, step=step)
         for key, actor in (("old_logp", self.actor if batch.needs_old_logprobs else None), ("ref_logp", self.ref)):
             if actor is not None:
@@ -146,7 +150,9 @@ class GRPOTrainer:
             updates = [self.actor.train_step(mbs) for mbs in batch.updates(self.cfg.train.num_iterations)]
         pause_point("train", step)  # test hook: a kill between the update and the sync
         with timer("sync"):
+            self.memory.to_push()  # the engine's weights wake first, its KV cache after the push
             extra["sync/bytes"] = self.sync_weights()
+            self.memory.to_rollout()
         self.log.log_completions(step, samples, adv.tolist(), self.tokenizer, batch.sample_entropies())
         extra["data/epoch"] = self.prompts.epoch
         metrics, self.update_metrics = step_metrics(self.cfg, samples, updates, extra, self.version)
@@ -155,6 +161,8 @@ class GRPOTrainer:
                 metrics.update(self.validator.run(step, self.version))
         with timer("save"):
             self.maybe_save(step + 1)
+        self.memory.offload()
+        metrics.update(self.memory.metrics())
         return step_clock(metrics, timer, samples)
 
     def maybe_save(self, done_steps: int) -> None:
@@ -182,6 +190,7 @@ class GRPOTrainer:
                 metrics = self.step(step)
                 history.append(metrics)
                 log.log(step, metrics)
+            self.memory.restore_trainer()  # the HF export reads the weights
             self.saver.close()  # an async save finishes before the run ends
             self.saver.export_hf(self.actor, self.cfg.train.steps)
         finally:

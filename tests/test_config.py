@@ -430,3 +430,33 @@ def test_the_yaml_tiny_model_is_only_for_the_yaml_path(tmp_path):
         cfg = load_config(yaml_file, ["--model.path", other, *extra], check_files=False)
         assert cfg.model.tiny is not None and cfg.model.tiny.hidden_size == 128, extra
         assert cfg.model.tiny.num_layers == (3 if len(extra) > 1 else 4), extra
+
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (["--rollout.vllm.sleep_level", "3"], "rollout.vllm.sleep_level=3; use 0"),
+        (["--train.offload", "gpu"], "train.offload='gpu'; use none, optimizer"),
+        (["--train.offload", "all"], "rollout.engine='hf' has none"),
+        (
+            ["--rollout.engine", "vllm", "--rollout.vllm.sleep_level", "1", "--rollout.mode", "async"],
+            "use rollout.mode sync",
+        ),
+        (["--rollout.engine", "vllm", "--train.offload", "all", "--checkpoint.async_save", "true"], "drop one"),
+        (
+            ["--rollout.engine", "vllm", "--rollout.vllm.sleep_level", "2"]
+            + ["--model.lora.rank", "8", "--rollout.lora_sync", "adapter"],
+            "vllm#29341",
+        ),
+    ],
+)
+def test_colocated_turns_refuse_what_cannot_take_turns(tmp_path, data_file, flags, expect):
+    """rollout.vllm.sleep_level / train.offload (rollout/colocate.py): a colocated engine, a synchronous loop, no
+    asynchronous save reading parked tensors, no level-2 sleep that adapter-only sync never refills."""
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    with pytest.raises(ConfigError) as e:
+        load_config(argv=["--config", path, *flags])
+    assert expect in str(e.value), str(e.value)
+    load_config(
+        argv=["--config", path, "--rollout.engine", "vllm", "--rollout.vllm.sleep_level", "2", "--train.offload", "all"]
+    )

@@ -74,9 +74,23 @@ def test_vllm_main_job_learns_at_tp2_pp2(tmp_path):
     _check(rows, engines, 1)
 
 
-def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group(tmp_path):
+def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group_asleep_while_training(tmp_path):
+    """Also the colocated turns (rollout/colocate.py): each engine sleeps (level 1) after its rollout, wakes its
+    weights for the push, then its KV cache; each trainer rank parks its optimizer, gradients and parameters
+    on the host while the engines generate. The run still learns and the engines still sample with exactly the
+    trainer's weights."""
     rows, engines = _launch(
-        tmp_path, "dp2", 2, "tiny_cpu.yaml", "--rollout.engine", "vllm", "--rollout.engine_placement", "per_dp"
+        tmp_path,
+        "dp2",
+        2,
+        "tiny_cpu.yaml",
+        *("--rollout.engine", "vllm", "--rollout.engine_placement", "per_dp"),
+        *("--rollout.vllm.sleep_level", "1", "--train.offload", "all"),
     )
     assert all((r["rollout/requests/vllm#0"], r["rollout/requests/vllm#1"]) == (32, 32) for r in rows)
     _check(rows, engines, 2)
+    assert all(r["memory/offloaded_params_gb"] > 0 and r["memory/offloaded_optimizer_gb"] > 0 for r in rows)
+    for e in engines:
+        phases = [line.split(": ", 1)[1].split(" (")[0] for line in open(e["log"]) if "mgrpo engine phase: " in line]
+        turn = ["sleep1", "wake_weights", "update", "wake_kv_cache"]
+        assert phases == turn * len(rows), phases[:8]

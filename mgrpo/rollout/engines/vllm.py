@@ -83,7 +83,7 @@ def in_core_worker_setting() -> str:
 
 
 class VLLMEngine:
-    capabilities = Capabilities(async_generate=True, sleep=False, logprobs="processed")
+    capabilities = Capabilities(async_generate=True, sleep=True, logprobs="processed")
     name = "vllm"
 
     def __init__(
@@ -106,6 +106,7 @@ class VLLMEngine:
         routed_experts: bool = False,
         lora_rank: int | None = None,
         devices: list | None = None,
+        sleep_level: int = 0,
     ):
         import torch
 
@@ -132,6 +133,7 @@ class VLLMEngine:
             parent_pid=os.getpid(),
             routed_experts=routed_experts,
             lora_rank=lora_rank,
+            sleep_level=sleep_level,
         )  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -207,6 +209,14 @@ class VLLMEngine:
         )
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
+    def sleep(self, level: int) -> dict:
+        """Free the engine's device memory for the train phase (`rollout/colocate.py`)."""
+        return self.call("sleep", timeout=self.update_timeout_s, level=level)
+
+    def wake_up(self, tags: list) -> dict:
+        """Wake "weights" (before a push) or "kv_cache" (before generating)."""
+        return self.call("wake_up", timeout=self.update_timeout_s, tags=list(tags))
+
     def load_adapter(self, path: str, version: int) -> dict:
         """LoRA adapter-only sync: the engine serves the base with the PEFT folder at `path` from now on."""
         return self.call("load_adapter", timeout=self.update_timeout_s, folder=os.path.abspath(path), version=version)
@@ -248,7 +258,7 @@ class VLLMEngine:
 
 
 @register_engine("vllm")
-def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
+def _make_vllm(cfg, model_dir: str, tokenizer, devices: list | None = None) -> VLLMEngine:
     r, v = cfg.rollout, cfg.rollout.vllm
     log = os.path.join(cfg.logging.output_dir, "engines", f"vllm-{os.getpid()}.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
@@ -270,7 +280,9 @@ def _make_vllm(cfg, model_dir: str, tokenizer) -> VLLMEngine:
         update_timeout_s=r.request_timeout_s,
         routed_experts=cfg.algorithm.routing_replay,
         lora_rank=cfg.model.lora.rank if cfg.rollout.lora_sync == "adapter" else None,
+        devices=devices,
+        sleep_level=v.sleep_level,
     )
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
-        json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log}, f)
+        json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log, "devices": engine.devices}, f)
     return engine
