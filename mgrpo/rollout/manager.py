@@ -247,13 +247,12 @@ def engine_gpus(cfg, owners: dict) -> tuple:
 
     from mgrpo.rollout.placement import RankDevice, engine_devices, engine_groups, my_device
 
+    if cfg.rollout.engine != "vllm" or not torch.cuda.is_available():  # nothing to place: no gather at start
+        return [[] for _ in owners], []
     me = my_device(device_count=torch.cuda.device_count())
-    world = dist.get_world_size()
-    table = share_json([me.host, me.device, mpu.get_data_parallel_rank()], list(range(world)))
+    table = share_json([me.host, me.device, mpu.get_data_parallel_rank()], list(range(dist.get_world_size())))
     ranks = [RankDevice(host, device) for host, device, _ in table]
     hosts = [ranks[o].host for o in owners.values()]
-    if cfg.rollout.engine != "vllm":
-        return [[] for _ in owners], hosts
     groups = engine_groups(cfg.rollout.engine_placement, [dp for _, _, dp in table], owners)
     return engine_devices(ranks, groups, cfg.rollout.vllm.tensor_parallel_size), hosts
 
