@@ -473,9 +473,11 @@ def colocate_problems(cfg) -> list:
         e.append(
             f"rollout.vllm.sleep_level={level}; use 0 (awake), 1 (weights to host, KV dropped) or 2 (both dropped)"
         )
-    if offload not in ("none", "optimizer", "optimizer+grads", "all"):
-        e.append(f"train.offload={offload!r}; use none, optimizer, optimizer+grads or all")
-    if not level and offload == "none":
+    from mgrpo.actor_offload import LEVELS
+
+    if offload not in LEVELS:
+        e.append(f"train.offload={offload!r}; use {', '.join(LEVELS[:-1])} or {LEVELS[-1]}")
+    if e or (not level and offload == "none"):  # a bad value is the one line; what follows would repeat it
         return e
     if r.engine != "vllm":
         e.append(
