@@ -75,8 +75,12 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
         return denv
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(denv.local_rank)
+    index = 0
+    if backend == "nccl":  # LOCAL_RANK, or 0 where Slurm bound one GPU to the task (set_device(LOCAL_RANK) fails)
+        from mgrpo.parallel.device import local_device_index, visible_devices
+
+        index = local_device_index(denv.local_rank, visible_devices(device_count=torch.cuda.device_count()))
+        torch.cuda.set_device(index)
     else:
         from mgrpo.parallel.cpu_shims import apply_cpu_shims
 
@@ -103,7 +107,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
     from mgrpo.parallel.device import make_cpu_group, set_device
 
     if backend == "nccl":  # model tensors on this rank's GPU; CPU objects over a gloo side group
-        set_device(f"cuda:{denv.local_rank}", make_cpu_group())
+        set_device(f"cuda:{index}", make_cpu_group())
     else:
         set_device("cpu")
     return denv
