@@ -63,9 +63,21 @@ __all__ = ["vocab_parallel_logprobs", "default_chunk_size", "DEFAULT_CHUNK_ELEME
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
-def default_chunk_size(v_local: int) -> int:
-    """Tokens per chunk used when ``chunk_size is None``."""
-    return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, v_local))
+#: On a GPU the size that suits a CPU cache (27 tokens a chunk) means thousands of kernel launches per micro-batch;
+#: there a chunk's fp32 temporary takes up to 1/16 of the free device memory, at most 1 GiB (two are alive at once).
+GPU_CHUNK_FREE_FRACTION, GPU_CHUNK_MAX_BYTES = 16, 1 << 30
+
+
+def default_chunk_size(v_local: int, device: Optional[torch.device] = None, free_bytes: Optional[int] = None) -> int:
+    """Tokens per chunk used when ``chunk_size is None``: cache-sized on CPU; on CUDA from the device's free
+    memory (``torch.cuda.mem_get_info``, or ``free_bytes`` when given)."""
+    v_local = max(1, v_local)
+    if device is not None and device.type == "cuda":
+        if free_bytes is None:
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+        budget = min(free_bytes // GPU_CHUNK_FREE_FRACTION, GPU_CHUNK_MAX_BYTES)
+        return max(1, budget // (4 * v_local))
+    return max(1, DEFAULT_CHUNK_ELEMENTS // v_local)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -263,7 +275,7 @@ def vocab_parallel_logprobs(
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in (0, V_local * tp_size = {padded}]")
     if chunk_size is None:
-        chunk_size = default_chunk_size(v_local)
+        chunk_size = default_chunk_size(v_local, logits_shard.device)
     chunk_size = int(chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

@@ -81,7 +81,9 @@ def write_hf_folder(
             n = t.numel() * t.element_size()
             if shard and size + n > max_shard_bytes:
                 flush()
-            shard[name] = t.contiguous().clone()
+            # a host copy (contiguous, never aliasing a buffer the caller reuses): on a GPU the shard must not
+            # collect on the device (up to max_shard_bytes beside the trainer's state)
+            shard[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
             size += n
             total += n
         flush()

@@ -254,6 +254,11 @@ def test_default_chunk_size():
 
     assert default_chunk_size(152064) == 27 and default_chunk_size(76032) == 55
     assert default_chunk_size(1 << 23) == 1 and default_chunk_size(256) == 1 << 14
+    # on a GPU, from its free memory: a 1/16 share up to 1 GiB per fp32 temporary (70 GiB free, V/TP = 76032)
+    cuda = torch.device("cuda", 0)
+    assert default_chunk_size(76032, cuda, free_bytes=70 << 30) == (1 << 30) // (4 * 76032) == 3530
+    assert default_chunk_size(76032, cuda, free_bytes=4 << 30) == (256 << 20) // (4 * 76032)
+    assert default_chunk_size(1 << 30, cuda, free_bytes=1 << 20) == 1
 
 
 def test_chunk_size_invariance(monkeypatch):
