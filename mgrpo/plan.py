@@ -194,8 +194,16 @@ def plan_seq_len(cfg) -> int:
 
 ATTENTION = {
     "flash": "fused attention (TE/flash on GPU): no score matrix kept",
-    "local": "megatron's local attention (CPU): fp32 scores and probabilities kept",
+    "local": "megatron's local attention (sequence packing, LoRA at CP > 1, CPU): fp32 scores and probabilities kept",
 }
+
+
+def built_attention(cfg) -> str:
+    """The attention the run builds on a GPU with TransformerEngine (actor.py): sequence packing, and LoRA with
+    CP > 1, use our core attention on megatron's local spec, which keeps the score matrices; everything else
+    (LoRA included: TE's core attention between megatron's own linears) TE's fused attention."""
+    local = cfg.train.sequence_packing or (cfg.model.lora.rank and cfg.parallel.cp > 1)
+    return "local" if local else "flash"
 
 
 def activation_bytes_per_layer(
@@ -284,11 +292,17 @@ def memory_estimate(
         inflight = min(micro_batches * p.vpp, inflight * p.vpp)  # interleaved: more chunks in flight
     tokens = mbs * seq / p.cp
     sparse = sparse_count(info, stage)
-    layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, attention) * (stage.layers - sparse)
+    kept = "flash" if t.recompute == "selective" else attention  # selective: core attention recomputed, no scores
+    layers_act = activation_bytes_per_layer(info, p, tokens, seq, elem, kept) * (stage.layers - sparse)
     if sparse:
-        layers_act += activation_bytes_per_layer(info, p, tokens, seq, elem, attention, True) * sparse
+        layers_act += activation_bytes_per_layer(info, p, tokens, seq, elem, kept, True) * sparse
+    if t.recompute == "full":  # each layer keeps its input only; one layer's activations come back in backward
+        layers_act = tokens * info.hidden_size / (p.tp if p.sp else 1) * elem * stage.layers
     layers_act /= p.vpp or 1
-    activations = layers_act * inflight + backward_working_set(info, p, tokens, seq, attention, sparse > 0)
+    working = backward_working_set(info, p, tokens, seq, attention, sparse > 0)
+    if t.recompute == "full":  # the recomputed layer's activations, then its backward's
+        working += activation_bytes_per_layer(info, p, tokens, seq, elem, attention, sparse > 0)
+    activations = layers_act * inflight + working
     last = pp_rank == p.pp - 1
     # logits [mbs, seq/cp, V/tp] in the model dtype, kept for backward, plus their fp32 gradient while it runs
     logits = tokens * vocab_padded / p.tp * (elem + 4) if last else 0.0
@@ -423,7 +437,7 @@ def format_plan(cfg, plan: dict) -> str:
         )
     lines += [
         f"memory per rank, GiB (estimate; Adam; activations of the micro-batches a stage holds at once, "
-        f"{ATTENTION[plan['attention']]}: --plan-attention"
+        f"{ATTENTION[plan['attention']]}: --plan-attention; train.recompute {t.recompute}"
         + ("; adam/dist: dense state sharded over DP x CP, expert state over expert-DP" if moe else "")
         + "):",
         f"  {'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'cp':>3} "
@@ -447,12 +461,14 @@ def format_plan(cfg, plan: dict) -> str:
             f"{gb(m['total'])}"
         )
     peak = max(plan["ranks"], key=lambda x: x["memory"]["total"])
+    colocated = cfg.rollout.engine == "vllm"
     lines.append(
         f"largest: rank {peak['rank']} (pp {peak['pp']}) {peak['memory']['total'] / GiB:.2f} GiB "
         f"({'with' if t.use_distributed_optimizer else 'without'} the distributed optimizer, as configured)"
-        f"; rollout engines not included"
+        + ("" if colocated else "; rollout engines not included")
     )
-    if cfg.rollout.engine == "vllm":
+    if colocated:
+        from mgrpo.plan_gpu import GPU_GIB, format_gpu_plan
         from mgrpo.rollout.placement import PlacementError, describe, planned_devices
 
         dp_of = [0] * plan["world"]
@@ -461,29 +477,36 @@ def format_plan(cfg, plan: dict) -> str:
                 dp_of[r] = i
         try:
             devices, hosts = planned_devices(cfg, dp_of)
-            lines.append(describe(devices, hosts, "vllm") + " (8 GPUs per node, every GPU visible to each rank)")
         except PlacementError as exc:
             lines.append(f"engines: cannot be placed: {exc}")
+        else:
+            lines.append(describe(devices, hosts, "vllm") + " (8 GPUs per node, every GPU visible to each rank)")
+            lines += format_gpu_plan(cfg, plan, GPU_GIB[plan.get("gpu", "h100")])
     return "\n".join(lines)
 
 
 def take_plan_flags(argv: list) -> tuple:
     """(argv without the plan's flags, {"print": --print-plan given, "world": --world-size N or None,
-    "attention": --plan-attention flash|local})."""
+    "attention": --plan-attention flash|local (None: the one the run builds), "gpu": --plan-gpu h100|h200})."""
     from mgrpo.config import ConfigError
+    from mgrpo.plan_gpu import GPU_GIB
 
-    out, opts, i = [], {"print": False, "world": None, "attention": "flash"}, 0
+    out, opts, i = [], {"print": False, "world": None, "attention": None, "gpu": "h100"}, 0
     while i < len(argv):
         arg, key = argv[i], argv[i].split("=", 1)[0]
         if arg == "--print-plan":
             opts["print"] = True
-        elif key in ("--world-size", "--plan-attention"):
+        elif key in ("--world-size", "--plan-attention", "--plan-gpu"):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in arg else 1
             if key == "--world-size":
                 if not value.isdigit() or int(value) < 1:
                     raise ConfigError([f"--world-size {value!r}: give the number of ranks, e.g. --world-size 16"])
                 opts["world"] = int(value)
+            elif key == "--plan-gpu":
+                if value not in GPU_GIB:
+                    raise ConfigError([f"--plan-gpu {value!r}: use one of {', '.join(GPU_GIB)}"])
+                opts["gpu"] = value
             elif value not in ATTENTION:
                 raise ConfigError([f"--plan-attention {value!r}: use one of {', '.join(ATTENTION)}"])
             else:
@@ -494,9 +517,10 @@ def take_plan_flags(argv: list) -> tuple:
     return out, opts
 
 
-def print_plan(argv: list, world: int | None, attention: str = "flash") -> None:
-    """The plan for `world` ranks (default: WORLD_SIZE from the launcher, else TP x PP x CP); raises ConfigError
-    or ModelConfigError with the same one-line errors as a real launch."""
+def print_plan(argv: list, world: int | None, attention: str | None = None, gpu: str = "h100") -> None:
+    """The plan for `world` ranks (default: WORLD_SIZE from the launcher, else TP x PP x CP) on `gpu`s, with the
+    attention the run builds unless `attention` names one; raises ConfigError or ModelConfigError with the same
+    one-line errors as a real launch."""
     from mgrpo.config import ConfigError, load_config
     from mgrpo.layout_checks import validate_layout
     from mgrpo.models.hf_config import read_model_info
@@ -508,7 +532,9 @@ def print_plan(argv: list, world: int | None, attention: str = "flash") -> None:
     errors = validate_layout(cfg, info, world, cuda=True)  # the plan is for the GPU job
     if errors:
         raise ConfigError(errors)
-    print(format_plan(cfg, build_plan(cfg, world, attention)), flush=True)
+    plan = build_plan(cfg, world, attention or built_attention(cfg))
+    plan["gpu"] = gpu
+    print(format_plan(cfg, plan), flush=True)
 
 
 def cpu_memory_problem(cfg, info, local_ranks: int) -> str | None:

@@ -243,7 +243,10 @@ def test_the_72b_lora_example_counts_peft_trainable_parameters_on_8_ranks():
     out = proc.stdout
     print(out)
     assert f"{want:,} trainable (PEFT's count), 72,706,203,648 frozen" in out
-    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert "fused attention (TE/flash on GPU)" in out  # LoRA trains with TE's core attention on a GPU (actor.py)
+    rows = [
+        line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) > 10
+    ]
     weights, grads = float(rows[0][7]), float(rows[0][8])
     assert len(rows) == 8 and grads < weights / 10
 
@@ -256,7 +259,9 @@ def test_the_qwen3_30b_a3b_example_plans_ep8_on_8_ranks():
     assert "EP     1 x 8: [0-7]" in out and "EXP-DP 8 x 1: [0], [1], [2], [3], ... (8 groups)" in out
     assert "128 per MoE layer (48 of 48 layers), top-8, expert FFN 768; 16 per EP rank (EP 8)" in out
     assert "30,532,122,624 unique" in out  # Qwen3-30B-A3B's count (HF, meta build of the published config)
-    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    rows = [
+        line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) > 10
+    ]
     assert len(rows) == 8 and {r[7] for r in rows} == {"3,623,878,656"}  # 16 of 128 experts x 48 layers each
     print(out)
 
@@ -304,11 +309,88 @@ def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
     assert proc.stdout.strip().splitlines()[-1].endswith("within_30pct=1/1"), proc.stdout
 
 
-def test_the_7b_example_prints_which_engine_holds_which_gpus():
+def test_the_7b_example_prints_which_engine_holds_which_gpus_and_fits_only_asleep():
     """examples/qwen2.5-7b.yaml: TP2 x DP4, a TP2 engine per replica: each on its replica's two GPUs (the map
-    `start_engine` prints at run time, from the same function)."""
+    `start_engine` prints at run time, from the same function); per GPU it fits an H100 because each engine sleeps
+    while its replica trains, and would not without (the train phase with the engine's whole budget beside it)."""
     proc = launch("--config", "examples/qwen2.5-7b.yaml", "--print-plan", "--world-size", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    print(line)
+    lines = proc.stdout.strip().splitlines()
+    print("\n".join(lines[-14:]))
+    line = next(x for x in lines if x.startswith("engines:"))
     assert line.startswith("engines: vllm#0 GPUs 0,1; vllm#1 GPUs 2,3; vllm#2 GPUs 4,5; vllm#3 GPUs 6,7"), line
+    gpus = [x.split() for x in lines if x.strip().split(" ")[0].isdigit() and "vllm#" in x]
+    assert [g[2] for g in gpus] == ["vllm#0", "vllm#0", "vllm#1", "vllm#1", "vllm#2", "vllm#2", "vllm#3", "vllm#3"]
+    assert all(max(map(float, g[3:6])) < 79.6 < float(g[6]) for g in gpus), gpus  # as shipped / without sleep
+    assert lines[-1].startswith("per GPU: largest ") and ": fits (without sleep/offload: " in lines[-1]
+
+
+_PLANS: dict = {}
+
+
+def _gpu_plan(*argv, gpu="h100"):
+    """The 32B example's per-GPU plan with `argv` (rollout settings only: the per-rank plan is built once)."""
+    from mgrpo.config import load_config
+    from mgrpo.plan import build_plan, built_attention
+    from mgrpo.plan_gpu import GPU_GIB, format_gpu_plan, gpu_rows
+
+    cfg = load_config(argv=["--config", "examples/qwen2.5-32b.yaml", *argv], check_files=False)
+    if "plan" not in _PLANS:
+        _PLANS["plan"] = build_plan(cfg, 8, built_attention(cfg))
+    plan = _PLANS["plan"]
+    engine, rows = gpu_rows(cfg, plan, GPU_GIB[gpu] * 2**30)
+    return cfg, plan, engine, rows, format_gpu_plan(cfg, plan, GPU_GIB[gpu])
+
+
+def test_the_32b_lora_example_plans_each_gpu_from_the_published_shape():
+    """examples/qwen2.5-32b.yaml (LoRA, TP4 x DP2, two TP4 engines): the engine's weights are HF's parameter count
+    (a meta build of the published config) over its TP in bf16; its KV cache per token is 2 x layers x KV heads /
+    TP x head_dim x 2 bytes (64, 8, 128: 64 KiB at TP4); the rollout phase is the trainer's resident state (frozen
+    base, adapter grads and sharded Adam) beside the engine's whole budget; sleep frees that budget less what a
+    sleeping vLLM keeps."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mgrpo.plan_gpu import CUDA_CONTEXT, ENGINE_ASLEEP, NCCL_BUFFERS
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(os.path.join(ROOT, "examples", "model_configs", "Qwen2.5-32B-Instruct"))
+        )
+    count = sum(p.numel() for p in hf.parameters())
+    cfg, plan, engine, rows, lines = _gpu_plan()
+    print("\n".join(lines))
+    assert plan["attention"] == "flash"  # LoRA trains with TE's core attention on a GPU (actor.py)
+    assert engine["weights"] == count * 2 / 4 and engine["kv_per_token"] == 64 * 1024
+    gpu = 81559 / 1024 * 2**30
+    m = plan["ranks"][0]["memory"]
+    resident = m["weights"] + m["grads"] + m["optimizer_distributed"] + m["overhead"]
+    contexts = 2 * CUDA_CONTEXT + 2 * NCCL_BUFFERS  # trainer and engine worker (TP4), each with NCCL
+    assert [r["engine"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert rows[0]["rollout"] == pytest.approx(resident + 0.6 * gpu + contexts)
+    assert max(max(r["train"], r["push"], r["rollout"]) for r in rows) < gpu
+    assert rows[0]["plain_train"] - rows[0]["train"] == pytest.approx(0.6 * gpu - ENGINE_ASLEEP)  # what sleep frees
+    assert ": fits (without sleep/offload: " in lines[-1]
+
+
+def test_the_gpu_plan_says_when_an_engine_does_not_fit():
+    """Negative controls: the same example at utilization 0.7 fits asleep and not awake (sleep_level 0); a
+    utilization that leaves the trainer too little, one its weights fill, or a context the KV cache cannot hold
+    once, is refused in the verdict line; an H200 fits the awake engine."""
+    hot = ["--rollout.vllm.gpu_memory_utilization", "0.7"]
+    assert ": fits" in _gpu_plan(*hot)[-1][-1]  # asleep while training
+    for argv, why in (
+        (["--rollout.vllm.sleep_level", "0", *hot], "the train phase needs"),
+        (["--rollout.vllm.gpu_memory_utilization", "0.9"], "the rollout phase needs"),
+        (["--rollout.vllm.gpu_memory_utilization", "0.2"], "fill its budget"),
+        (["--rollout.vllm.max_model_len", "32768", "--rollout.vllm.gpu_memory_utilization", "0.21"], "one sequence"),
+    ):
+        line = _gpu_plan(*argv)[-1][-1]
+        assert "DOES NOT FIT" in line and why in line, (argv, line)
+    assert ": fits" in _gpu_plan("--rollout.vllm.sleep_level", "0", *hot, gpu="h200")[-1][-1]
+    from mgrpo.config import ConfigError
+    from mgrpo.plan import take_plan_flags
+
+    assert take_plan_flags(["--print-plan", "--plan-gpu", "h200"])[1]["gpu"] == "h200"
+    with pytest.raises(ConfigError, match="--plan-gpu 'a100': use one of h100, h200"):
+        take_plan_flags(["--plan-gpu", "a100"])

@@ -9,7 +9,8 @@ import re
 import typing
 
 USAGE = """usage: mgrpo-train [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--tp N --pp N --cp N --vpp N --ep N --sp]
-                   [--resume [CHECKPOINT]] [--external-plugins FILE.py] [--print-plan [--world-size N]]
+                   [--resume [CHECKPOINT]] [--external-plugins FILE.py]
+                   [--print-plan [--world-size N] [--plan-attention flash|local] [--plan-gpu h100|h200]]
        (torchrun ... launch/train_grpo.py takes the same flags)
 
 Flags override the YAML; dotted keys reach every field below (--rollout.n 8, --algorithm.loss_type dapo); values

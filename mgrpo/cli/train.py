@@ -143,7 +143,7 @@ def main(argv: list | None = None) -> int:
         if plan["print"]:  # the layout, parameters and memory per rank of this launch; no weights, no GPU
             from mgrpo.plan import print_plan
 
-            print_plan(argv, plan["world"], plan["attention"])
+            print_plan(argv, plan["world"], plan["attention"], plan["gpu"])
             return 0
         cfg, denv, data = check(argv)
     except (ConfigError, ModelConfigError, DatasetError, ResumeError) as exc:
