@@ -2,7 +2,12 @@
 the training loop waits), at the tiny model and at a ~100M-parameter Qwen2-style model. Each run is the launcher
 itself: 2 GRPO steps, a checkpoint after each, then a resume from step 1.
 
-    python benchmarks/checkpoint.py [--models tiny,100m]
+Then the distributed optimizer's two formats at DP2 (two ranks): the host memory each rank's save takes on top of
+what it held (`save_peak_host_mib` in the checkpoint's meta, sampled while the save runs), with
+`checkpoint.reshardable` false (each rank writes its own shard) and true (megatron's fully_reshardable gathers the
+whole fp32 state, master weights and both Adam moments, on DP rank 0), beside that state's size.
+
+    python benchmarks/checkpoint.py [--models tiny,100m] [--skip-formats]
 
 Ends with one line: result: name=value ...
 """
@@ -57,9 +62,11 @@ SMALL_ROLLOUT = [
 ]
 
 
-def run(root: str, model: str, name: str, *extra) -> str:
+def run(root: str, model: str, name: str, *extra, nproc: int = 1) -> str:
+    torchrun = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=29533"] if nproc > 1 else []
     cmd = [
         sys.executable,
+        *torchrun,
         os.path.join(ROOT, "launch", "train_grpo.py"),
         "--config",
         os.path.join(ROOT, "examples", "tiny_cpu.yaml"),
@@ -100,14 +107,43 @@ def bench(root: str, model: str) -> dict:
     }
 
 
+def formats(root: str, model: str) -> dict:
+    """Per-rank save peaks (MiB) at DP2 with the distributed optimizer, both formats, and the fp32 state's MiB."""
+    out = {}
+    for reshardable in ("false", "true"):
+        name = f"{model}-dp2-reshardable-{reshardable}"
+        run(
+            root,
+            model,
+            name,
+            "--train.use_distributed_optimizer",
+            "true",
+            "--checkpoint.reshardable",
+            reshardable,
+            nproc=2,
+        )
+        out[reshardable] = meta(root, name, 2)["save_peak_host_mib"]
+    with open(os.path.join(root, f"{model}-model", "config.json")) as f:
+        c = json.load(f)
+    h, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * (c.get("head_dim") or h // c["num_attention_heads"])
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    n = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    out["state_mib"] = n * 12 / 2**20  # fp32 master weights + exp_avg + exp_avg_sq
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,100m")
+    ap.add_argument("--skip-formats", action="store_true")
     args = ap.parse_args()
-    rows = {}
+    rows, fmts = {}, {}
     with tempfile.TemporaryDirectory() as root:
         for model in args.models.split(","):
             rows[model] = bench(root, model)
+            if not args.skip_formats:
+                fmts[model] = formats(root, model)
     print(
         f"{'model':6} {'size MiB':>9} {'sync save s':>12} {'async: loop waits s':>20} {'async total s':>14} "
         f"{'resume load s':>14} {'wait ratio sync/async':>22}"
@@ -117,7 +153,26 @@ def main() -> None:
             f"{model:6} {r['mib']:9.1f} {r['sync_s']:12.2f} {r['async_wait_s']:20.2f} {r['async_total_s']:14.2f} "
             f"{r['load_s']:14.2f} {r['sync_s'] / max(r['async_wait_s'], 1e-3):22.2f}"
         )
-    print("result: " + " ".join(f"{m}_{k}={v:.3g}" for m, r in rows.items() for k, v in r.items()))
+    result = {f"{m}_{k}": v for m, r in rows.items() for k, v in r.items()}
+    if fmts:
+        print(
+            f"\ndistributed optimizer at DP2: host memory each rank's save adds, MiB (sampled every 5 ms)\n"
+            f"{'model':6} {'fp32 state MiB':>15} {'per-rank shards: r0':>20} {'r1':>6} "
+            f"{'fully_reshardable: r0':>22} {'r1':>6} {'r0 ratio':>9}"
+        )
+        for model, f in fmts.items():
+            (a0, a1), (b0, b1) = f["false"], f["true"]
+            print(
+                f"{model:6} {f['state_mib']:15.1f} {a0:20.1f} {a1:6.1f} {b0:22.1f} {b1:6.1f} {b0 / max(a0, 0.1):9.2f}"
+            )
+            result.update(
+                {
+                    f"{model}_state_mib": f["state_mib"],
+                    f"{model}_sharded_save_peak_r0_mib": a0,
+                    f"{model}_reshardable_save_peak_r0_mib": b0,
+                }
+            )
+    print("result: " + " ".join(f"{k}={v:.3g}" for k, v in result.items()))
 
 
 if __name__ == "__main__":

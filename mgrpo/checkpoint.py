@@ -33,12 +33,13 @@ import yaml
 import mgrpo
 from mgrpo.fsutil import replace_dir
 from mgrpo.parallel.pipeline import unwrap
+from mgrpo.profiling import PeakRSS
 from mgrpo.weights.hf_writer import COPIED
 
 META = "mgrpo_meta.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-DISTOPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # any layout can load it
+OPTIMIZER_FORMATS = {False: "dp_reshardable", True: "fully_reshardable"}  # checkpoint.reshardable -> megatron's
 
 
 class CheckpointFolderError(ValueError):
@@ -160,6 +161,7 @@ def _layout(cfg, world: int) -> dict:
         "ep": p.ep,
         "world_size": world,
         "distributed_optimizer": cfg.train.use_distributed_optimizer,
+        "optimizer_format": OPTIMIZER_FORMATS[bool(cfg.checkpoint.reshardable)],
     }
 
 
@@ -176,8 +178,11 @@ def model_state(model_chunks) -> dict:
     return {f"model{i}": unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(model_chunks)}
 
 
-def training_state(actor, common: dict | None, is_loading: bool, with_rng: bool) -> dict:
-    """The sharded state dict of a training run: models, optimizer, this rank's RNG, and the common state."""
+def training_state(
+    actor, common: dict | None, is_loading: bool, with_rng: bool, optimizer_format: str = "dp_reshardable"
+) -> dict:
+    """The sharded state dict of a training run: models, optimizer (the distributed optimizer's state in megatron's
+    `optimizer_format`), this rank's RNG, and the common state."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state = model_state(actor.chunks)
@@ -185,7 +190,8 @@ def training_state(actor, common: dict | None, is_loading: bool, with_rng: bool)
         _allocate_adam_state(actor.optimizer)
         _fix_distopt_state_copy()
     if actor.optimizer is not None:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=DISTOPT_FORMAT)
+        metadata = {"distrib_optim_sharding_type": optimizer_format}
+        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
@@ -195,9 +201,10 @@ def training_state(actor, common: dict | None, is_loading: bool, with_rng: bool)
 
 
 def _fix_distopt_state_copy() -> None:
-    """megatron-core 0.16.1 without Apex/TE keeps Adam's `step` in every parameter's state, and its fully_reshardable
-    load copies each state key from the checkpoint's tensors, which hold no `step`: KeyError. Copy what the
-    checkpoint holds instead (the step is restored from the param groups, as before)."""
+    """megatron-core 0.16.1 without Apex/TE keeps Adam's `step` in every parameter's state, and its load copies
+    every state key from the checkpoint's tensors, which hold no `step`: KeyError. Copy the others as megatron does
+    (the checkpoint's tensors may hold more, e.g. dp_reshardable's `padding`); the step is restored from the param
+    groups, as before."""
     from megatron.core.optimizer import distrib_optimizer as d
 
     cls = d.DistributedOptimizer
@@ -211,8 +218,9 @@ def _fix_distopt_state_copy() -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         dst = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, value in tensors.items():
-            dst[key].copy_(value)
+        for key in dst:
+            if key != "step":
+                dst[key].copy_(tensors[key])
 
     cls._set_main_param_and_optimizer_states, cls._mgrpo_fixed = set_states, True
 
@@ -227,18 +235,29 @@ def _unshare_steps(optimizer) -> None:
 
 
 def _allocate_adam_state(optimizer) -> None:
-    """Zero Adam moments and step where none exist yet: the state the checkpoint's values are loaded into.
-    megatron's DistributedOptimizer reads the step from existing state and, without Apex/TE, asserts otherwise."""
+    """Zero Adam moments where none exist yet: the state the checkpoint's values are loaded into, with exactly the
+    keys the optimizer megatron picked keeps per parameter (megatron would allocate them on a CUDA device).
+
+    `exp_avg` and `exp_avg_sq` always (fp32 under TE, the parameter's dtype under torch): megatron's own
+    `init_state_fn` and TransformerEngine's FusedAdam (`transformer_engine/pytorch/optimizers/fused_adam.py`,
+    v2.4-2.10, state created in `step()`) lay out the same two. `step` only for torch's Adam, which keeps it per parameter; TE's FusedAdam and Apex keep it as an int in
+    each param group, and megatron's DistributedOptimizer copies every state key it finds from the checkpoint
+    (`_set_main_param_and_optimizer_states`), which holds no `step`: an extra key is a KeyError on every resume
+    under TE."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    per_param_step = not distrib_optimizer.HAVE_APEX_OR_TE
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p].update(
-                        exp_avg=torch.zeros_like(p.data),
-                        exp_avg_sq=torch.zeros_like(p.data),
-                        step=torch.zeros((), dtype=torch.float32),
+                    state, dtype = inner.state[p], p.dtype if per_param_step else torch.float32  # TE: fp32
+                    state.update(
+                        exp_avg=torch.zeros_like(p.data, dtype=dtype), exp_avg_sq=torch.zeros_like(p.data, dtype=dtype)
                     )
+                    if per_param_step:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
 
 
 class Saver:
@@ -297,8 +316,12 @@ class Saver:
             "state": common,
             "lora": lora_meta(self.cfg.model.lora),
         }
-        state = training_state(actor, common, is_loading=False, with_rng=True)
-        request = dist_checkpointing.save(state, os.path.join(tmp, "dist"), async_sharded_save=self.queue is not None)
+        with PeakRSS(0.005) as rss:  # the synchronous part: fully_reshardable's gather, async save's host copy
+            state = training_state(actor, common, False, True, meta["layout"]["optimizer_format"])
+            request = dist_checkpointing.save(
+                state, os.path.join(tmp, "dist"), async_sharded_save=self.queue is not None
+            )
+        meta["save_peak_host_mib"] = _per_rank(rss.increase_mb)
 
         def finalize():
             pause_point("save", step)  # test hook: a kill while the shards sit in the .tmp folder
@@ -385,13 +408,18 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
     """Restore models, optimizer, RNG (same layout only) into `actor`; returns the common state."""
 
     meta, started = read_meta(ckpt_dir), time.time()
-    same_layout = meta["layout"] == _layout(cfg, dist.get_world_size())
-    request = training_state(actor, {}, is_loading=True, with_rng=same_layout)
+    saved_format = meta["layout"].get("optimizer_format", "fully_reshardable")  # what checkpoints before it held
+    now = _layout(cfg, dist.get_world_size())
+    same_layout = {k: v for k, v in meta["layout"].items() if k != "optimizer_format"} == {
+        k: v for k, v in now.items() if k != "optimizer_format"
+    }
+    request = training_state(actor, {}, is_loading=True, with_rng=same_layout, optimizer_format=saved_format)
     state = _load(request, ckpt_dir)
     for i, chunk in enumerate(actor.chunks):
         _load_model(unwrap(chunk), state[f"model{i}"], ckpt_dir)
     if actor.optimizer is not None:
-        actor.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # dp_reshardable copies into fp32 main params that are views of trained parameters
+            actor.optimizer.load_state_dict(state["optimizer"])
         _unshare_steps(actor.optimizer)
     if same_layout:
         set_rng_state(state["rng_state"])
@@ -406,6 +434,16 @@ def load_training_state(actor, ckpt_dir: str, cfg) -> dict:
     if dist.get_rank() == 0:
         print(f"mgrpo: resume: training state loaded in {time.time() - started:.2f} s", file=sys.stderr, flush=True)
     return state["common"]
+
+
+def _per_rank(value: float) -> list:
+    """`value` of every rank, in rank order (a float each, over the CPU group)."""
+    from mgrpo.parallel.device import cpu_group
+
+    mine = torch.tensor([float(value)], dtype=torch.float64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine, group=cpu_group())
+    return [round(float(t), 1) for t in out]
 
 
 def _layout_text(lay: dict) -> str:

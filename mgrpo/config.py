@@ -251,6 +251,10 @@ class CheckpointConfig:
     resume: str = ""  # "" = fresh run; "latest" (the --resume flag) = SAVE_DIR/latest; or a step_XXXXXX folder
     export_hf_at_end: bool = False  # also write SAVE_DIR/hf_step_XXXXXX (the converter's HF folder) for the last step
     async_save: bool = False  # megatron's asynchronous save: shards are written while the next steps run
+    # the distributed optimizer's state: false = each rank writes its own shard (megatron's dp_reshardable; resume
+    # at the same TP/PP/CP/EP, DP may change); true = layout-free (fully_reshardable: every save gathers the whole
+    # fp32 state of a model-parallel group on its DP rank 0, host memory included), for resuming at another layout
+    reshardable: bool = False
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`--resume`: which checkpoint, and whether this run may continue it. Checked by the launcher before any process
 group starts or any file is written; every refusal is one line that names the field.
 
-May change on resume: the parallel layout (dist_checkpointing reshards), train.steps, logging, and the rest of the
-config (each change is printed). May not: the model's shapes and vocabulary, model.params_dtype, the policy loss
+May change on resume: the parallel layout (dist_checkpointing reshards; with the distributed optimizer only DP,
+unless the checkpoint was saved with checkpoint.reshardable), train.steps, logging, and the rest of the config
+(each change is printed). May not: the model's shapes and vocabulary, model.params_dtype, the policy loss
 and advantage, rollout.n and train.seed (the continued run would not be the same run), and
 train.use_distributed_optimizer (megatron-core 0.16 loads neither optimizer's state into the other).
 """
@@ -90,6 +91,23 @@ def model_differences(ckpt_dir: str, model_dir: str) -> list:
     return out
 
 
+def _optimizer_layout_problems(path: str, saved: dict, cfg) -> list:
+    """A distributed optimizer saved per DP shard (checkpoint.reshardable false: megatron's dp_reshardable) loads
+    only at the model-parallel layout it was saved at; DP may change."""
+    if not saved.get("distributed_optimizer") or saved.get("optimizer_format", "fully_reshardable") != "dp_reshardable":
+        return []
+    p = cfg.parallel
+    now = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep}
+    moved = [f"{k.upper()} {saved.get(k) or 1} -> {v or 1}" for k, v in now.items() if (saved.get(k) or 1) != (v or 1)]
+    if not moved:
+        return []
+    return [
+        f"--resume {path}: the distributed optimizer's state was saved per data-parallel shard "
+        f"(checkpoint.reshardable false), which loads only at its TP/PP/VPP/CP/EP ({', '.join(moved)}); resume at "
+        f"the saved layout (DP may change), and save with --checkpoint.reshardable true to change it later"
+    ]
+
+
 def check_resume(cfg) -> list:
     """Resolve cfg.checkpoint.resume to a complete checkpoint folder (in place) and check that this run may continue
     it. Returns notes (what changed) to print; raises ResumeError (each line names the field) or nothing at all."""
@@ -121,6 +139,7 @@ def check_resume(cfg) -> list:
                 f"--resume {path}: {key}={now.get(key)!r} but the checkpoint was trained with "
                 f"{saved[key]!r}; a resumed run keeps {key} (set it back or start a new run)"
             )
+    errors += _optimizer_layout_problems(path, meta["layout"], cfg)
     step = meta["step"]
     if not errors and step >= cfg.train.steps:
         errors.append(

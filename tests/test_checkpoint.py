@@ -68,7 +68,14 @@ def _env(**extra):
 
 
 def launch(
-    root, name: str, *extra, nproc: int = 1, pause: str | None = None, output: str | None = None, expect_rc: int = 0
+    root,
+    name: str,
+    *extra,
+    nproc: int = 1,
+    pause: str | None = None,
+    output: str | None = None,
+    expect_rc: int = 0,
+    launcher: str = LAUNCHER,
 ):
     """One run of the launcher (torchrun when nproc > 1) into root/name (output dir) and root/name-ckpt.
     With `pause` ("train:4" or "save:6") the run is SIGKILLed, whole process group, once the hook holds it there."""
@@ -87,7 +94,7 @@ def launch(
         ]
     )
     cmd = prefix + [
-        LAUNCHER,
+        launcher,
         *COMMON,
         "--model.path",
         str(root / "model"),
@@ -138,10 +145,10 @@ def assert_same_run(ref, other, ref_ckpt, other_ckpt):
     assert weights(ref_ckpt) == weights(other_ckpt), "the final weights differ"
 
 
-def resume_copy(root, ref: str, name: str, ckpt: str, *extra, nproc: int = 1):
+def resume_copy(root, ref: str, name: str, ckpt: str, *extra, nproc: int = 1, launcher: str = LAUNCHER):
     """Resume `ckpt` into a copy of the reference's output folder (its metrics are cut back, then appended)."""
     shutil.copytree(root / ref, root / name)
-    return launch(root, name, "--resume", ckpt, *extra, nproc=nproc)
+    return launch(root, name, "--resume", ckpt, *extra, nproc=nproc, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +198,24 @@ def test_kill_mid_step_then_mid_save_resumes_from_the_last_complete_checkpoint(r
 
 
 def test_tp2_pp2_resumes_exactly_and_at_tp1(runs):
-    launch(runs, "tp2pp2", "--tp", "2", "--pp", "2", nproc=4)
+    """With the distributed optimizer saved layout-free (checkpoint.reshardable: megatron's fully_reshardable)."""
+    opt = ["--train.use_distributed_optimizer", "true", "--checkpoint.reshardable", "true"]
+    launch(runs, "tp2pp2", "--tp", "2", "--pp", "2", *opt, nproc=4)
     resume_copy(
-        runs, "tp2pp2", "tp2pp2_resumed", str(runs / "tp2pp2-ckpt" / "step_000003"), "--tp", "2", "--pp", "2", nproc=4
+        runs,
+        "tp2pp2",
+        "tp2pp2_resumed",
+        str(runs / "tp2pp2-ckpt" / "step_000003"),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        *opt,
+        nproc=4,
     )
     assert_same_run(runs / "tp2pp2", runs / "tp2pp2_resumed", runs / "tp2pp2-ckpt", runs / "tp2pp2_resumed-ckpt")
     # a layout change: the TP2 x PP2 checkpoint continued at TP1 (dist_checkpointing reshards model and Adam state)
-    r = launch(runs, "tp1_from_tp2pp2", "--resume", str(runs / "tp2pp2-ckpt" / "step_000003"))
+    r = launch(runs, "tp1_from_tp2pp2", "--resume", str(runs / "tp2pp2-ckpt" / "step_000003"), *opt)
     assert "the layout changed (TP2 PP2" in r.stderr
     ref = rows(runs / "tp2pp2" / "metrics.jsonl")[3]
     got = rows(runs / "tp1_from_tp2pp2" / "metrics.jsonl")
@@ -208,10 +226,45 @@ def test_tp2_pp2_resumes_exactly_and_at_tp1(runs):
 
 
 def test_dp2_distributed_optimizer_with_async_save_resumes_exactly(runs):
+    """The default format (each rank writes its own optimizer shard, megatron's dp_reshardable): exact at DP2,
+    continued at DP1; a TP change is refused in one line before anything starts."""
     dp = ["--train.use_distributed_optimizer", "true", "--checkpoint.async_save", "true"]
     launch(runs, "dp2", *dp, nproc=2)
-    resume_copy(runs, "dp2", "dp2_resumed", str(runs / "dp2-ckpt" / "step_000003"), *dp, nproc=2)
+    ckpt = str(runs / "dp2-ckpt" / "step_000003")
+    meta = json.load(open(os.path.join(ckpt, "mgrpo_meta.json")))
+    assert meta["layout"]["optimizer_format"] == "dp_reshardable" and len(meta["save_peak_host_mib"]) == 2
+    resume_copy(runs, "dp2", "dp2_resumed", ckpt, *dp, nproc=2)
     assert_same_run(runs / "dp2", runs / "dp2_resumed", runs / "dp2-ckpt", runs / "dp2_resumed-ckpt")
+    launch(runs, "dp1_from_dp2", "--resume", ckpt, *dp)
+    ref, got = rows(runs / "dp2" / "metrics.jsonl")[3], rows(runs / "dp1_from_dp2" / "metrics.jsonl")
+    assert [g["step"] for g in got] == [3, 4, 5] and abs(got[0]["actor/loss"] - ref["actor/loss"]) < 1e-5
+    from mgrpo.config import load_config
+    from mgrpo.resume import ResumeError, check_resume
+
+    argv = [*COMMON, "--model.path", str(runs / "model"), "--model.tiny", *dp, "--checkpoint.resume", ckpt]
+    argv += ["--checkpoint.save_dir", str(runs / "dp2_tp2-ckpt"), "--logging.output_dir", str(runs / "dp2_tp2")]
+    with pytest.raises(ResumeError) as refused:
+        check_resume(load_config(argv=[*argv, "--parallel.tp", "2"], check_files=False))
+    line = refused.value.lines
+    assert len(line) == 1 and "saved per data-parallel shard" in line[0] and "TP 1 -> 2" in line[0], line
+
+
+def test_resume_with_transformer_engines_optimizer_layout_is_exact(runs):
+    """megatron-core's TransformerEngine branch (tests/te_adam_run.py: its module flags, and an optimizer that lays
+    out its state as TE's FusedAdam does: the step in the param groups, no per-parameter `step`) with the
+    distributed optimizer: the run saved at step 3 and resumed equals the uninterrupted one bitwise. Allocating a
+    per-parameter `step` before the load (what checkpoint.py did) fails that resume with KeyError: 'step' (measured
+    once: raised by the state-key table TE's FusedAdam keeps; megatron's `_set_main_param_and_optimizer_states`
+    would raise the same on the way)."""
+    te = os.path.join(ROOT, "tests", "te_adam_run.py")
+    dist = ["--train.use_distributed_optimizer", "true"]
+    r = launch(runs, "te", *dist, launcher=te)
+    assert "TELayoutAdam steps: 12" in r.stderr  # 6 steps x 2 mini-batches, all through the TE-layout optimizer
+    meta = json.load(open(runs / "te-ckpt" / "step_000003" / "mgrpo_meta.json"))
+    assert meta["state"]["actor"]["scheduler"]["num_steps"] == 6
+    r = resume_copy(runs, "te", "te_resumed", str(runs / "te-ckpt" / "step_000003"), *dist, launcher=te)
+    assert "TELayoutAdam steps: 6" in r.stderr
+    assert_same_run(runs / "te", runs / "te_resumed", runs / "te-ckpt", runs / "te_resumed-ckpt")
 
 
 def _main(argv, capsys):
