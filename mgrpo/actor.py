@@ -16,7 +16,8 @@ from megatron.core import parallel_state as mpu
 from mgrpo.loss.logprobs import vocab_parallel_logprobs
 from mgrpo.loss.registry import policy_loss
 from mgrpo.loss.rollout_correction import rollout_is_weights_from_cfg, rollout_offpolicy_metrics
-from mgrpo.models.builder import build_model
+from mgrpo.models.builder import build_model, have_transformer_engine
+from mgrpo.parallel.device import on_cuda
 from mgrpo.parallel.pipeline import unwrap
 from mgrpo.parallel.state import gloo_groups_created
 from mgrpo.weights.load import load_hf
@@ -29,15 +30,19 @@ class Actor:
         self.cfg = cfg
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
         local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
+        te = have_transformer_engine()
+        fused_attention = lora and not cfg.train.sequence_packing and te  # no score matrices kept
         chunks = build_model(
             model_dir,
             cfg.parallel,
             cfg.model.params_dtype,
             cfg.model.make_vocab_size_divisible_by,
+            config_overrides=fast_path_overrides(cfg, te and not local, train),
             seed=cfg.train.seed,
             moe=cfg.model.moe,
             use_te=False if local else None,
             packing=cfg.train.sequence_packing,
+            fused_attention=fused_attention,
         )
         load_hf(chunks, model_dir)
         if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
@@ -75,11 +80,13 @@ class Actor:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from mgrpo.models.fast_paths import overlap_settings
+
         t = self.cfg.train
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.config.params_dtype != torch.float64,
-            overlap_grad_reduce=False,
             use_distributed_optimizer=t.use_distributed_optimizer,
+            **overlap_settings(t, on_cuda()),
         )
         self.chunks = [
             DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
@@ -256,6 +263,16 @@ class Actor:
     def models(self) -> list:
         return [unwrap(c) for c in self.chunks]
 
+    def current_params(self) -> list:
+        """The modules with every parameter current, for the weight export and the HF export. With
+        train.overlap_param_gather the optimizer step updates only this rank's shard, and megatron gathers the others
+        in the next forward's pre-hooks; read now they would be one step stale, so gather them here (megatron-LM
+        does the same before a checkpoint: `disable_forward_pre_hook(param_sync=True)`)."""
+        for c in self.chunks:
+            if getattr(c, "use_forward_hook", False):
+                c.start_param_sync(force_sync=True)
+        return self.models()
+
     def train_state(self) -> dict:
         """What a checkpoint needs beyond the tensors: the LR schedule's position and the skipped-step count."""
         return {
@@ -284,6 +301,15 @@ class BasePolicy:
         no_replay = self.actor.routing.replay_off() if self.actor.routing else contextlib.nullcontext()
         with adapters_disabled(self.actor.models()), no_replay:
             return self.actor.logprobs(microbatches, entropy=entropy)
+
+
+def fast_path_overrides(cfg, te_linears: bool, train: bool) -> dict:
+    """TransformerConfig fields for model.fusions and (a model that trains) train.recompute (models/fast_paths.py)."""
+    from mgrpo.models.fast_paths import fusion_overrides, kernels, recompute_overrides
+
+    te, cuda = have_transformer_engine(), on_cuda()
+    out = fusion_overrides(cfg.model.fusions, cuda, te, te_linears, True, kernels())  # builder: MoE keys for MoE only
+    return {**out, **(recompute_overrides(cfg.train.recompute) if train else {})}
 
 
 def reference_policy(cfg, actor: Actor):

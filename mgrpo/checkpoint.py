@@ -294,6 +294,7 @@ class Saver:
 
         _forked_results_queue()
         self.wait()  # one save in flight at a time
+        actor.current_params()  # DP rank 0 writes every parameter: none may be a step behind (overlap_param_gather)
         root = self.c.save_dir
         final, started = step_dir(root, step), time.time()
         tmp = final + ".tmp"
@@ -382,7 +383,7 @@ class Saver:
         from mgrpo.weights.hf_writer import write_hf_folder
 
         out = os.path.join(self.c.save_dir, f"hf_step_{step:06d}")
-        tensors = export_hf(actor.models(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
+        tensors = export_hf(actor.current_params(), dst=0, bucket_bytes=self.cfg.rollout.update_bucket_mb << 20)
         if dist.get_rank() == 0:
             write_hf_folder(tensors, out, self.cfg.model.path, overwrite=True)
             print(f"mgrpo: HF model for step {step} written to {out}", file=sys.stderr, flush=True)

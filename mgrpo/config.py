@@ -79,6 +79,7 @@ class ModelConfig:
     params_dtype: str = "float32"  # float32 | bfloat16
     moe: MoeConfig = field(default_factory=MoeConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    fusions: str = "auto"  # auto: megatron's fused kernels where CUDA (and TE) are present | off (models/fast_paths.py)
 
 
 @dataclass
@@ -240,6 +241,9 @@ class TrainConfig:
     min_lr: float = 0.0  # where linear/cosine decay ends (at the last optimizer step)
     use_distributed_optimizer: bool = False
     offload: str = "none"  # none | optimizer | optimizer+grads | all: to host memory while a colocated engine generates
+    recompute: str = "none"  # none | selective (core attention) | full (every layer from its input): activations
+    overlap_grad_reduce: Optional[bool] = None  # null: on with the distributed optimizer on a GPU
+    overlap_param_gather: Optional[bool] = None  # null: as overlap_grad_reduce (distributed optimizer only)
     seed: int = 1234
 
 

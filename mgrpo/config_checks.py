@@ -499,10 +499,27 @@ def colocate_problems(cfg) -> list:
     return e
 
 
+def fast_path_problems(cfg) -> list:
+    """model.fusions, train.recompute, train.overlap_*: one line per bad value."""
+    from mgrpo.models.fast_paths import FUSIONS, RECOMPUTE
+
+    t, e = cfg.train, []
+    if cfg.model.fusions not in FUSIONS:
+        e.append(f"model.fusions={cfg.model.fusions!r}; use auto (fused kernels on a GPU) or off")
+    if t.recompute not in RECOMPUTE:
+        e.append(f"train.recompute={t.recompute!r}; use none, selective (core attention) or full (whole layers)")
+    if t.overlap_param_gather and not t.use_distributed_optimizer:
+        e.append(
+            "train.overlap_param_gather=true needs train.use_distributed_optimizer true (only its parameters are "
+            "gathered); set both, or leave overlap_param_gather null"
+        )
+    return e
+
+
 def validate_config(cfg) -> list[str]:
     """Every check that needs no model and no process group (config.load_config runs it; layout_checks.py has
     those against the model)."""
-    e = []
+    e = fast_path_problems(cfg)
     p, r, a, t = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.train
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:

@@ -32,8 +32,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32", moe=None, **overrides):
-    """`moe` (config's MoeConfig; None: defaults) applies only to a model with experts."""
+def transformer_config(
+    info: ModelInfo, parallel, params_dtype: str = "float32", moe=None, te_layers: bool = False, **overrides
+):
+    """`moe` (config's MoeConfig; None: defaults) applies only to a model with experts; its grouped GEMM (null:
+    auto) only where the layers are TE's (`te_layers`: megatron's local spec would need the `grouped_gemm`
+    package). MoE-only `overrides` (the permute fusion) are dropped for a dense model."""
     from megatron.core.transformer import TransformerConfig
 
     family = get_family(info.family)
@@ -77,14 +81,16 @@ def transformer_config(info: ModelInfo, parallel, params_dtype: str = "float32",
         batch_p2p_comm=(on_cuda() if parallel.batch_p2p_comm is None else parallel.batch_p2p_comm),
     )
     if info.moe is not None:
+        from mgrpo.models.fast_paths import grouped_gemm
         from mgrpo.models.qwen3_moe import megatron_moe_kwargs
 
         o = moe or _default_moe()
+        grouped = grouped_gemm(o.grouped_gemm, on_cuda(), te_layers)
         kwargs.update(
-            megatron_moe_kwargs(
-                info.moe, parallel.ep, o.aux_loss_coeff, o.z_loss_coeff, o.token_dispatcher, o.grouped_gemm
-            )
+            megatron_moe_kwargs(info.moe, parallel.ep, o.aux_loss_coeff, o.z_loss_coeff, o.token_dispatcher, grouped)
         )
+    else:
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -104,10 +110,15 @@ def _without_te_moe_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False, packing: bool = False):
+def layer_spec(
+    config, use_te: Optional[bool] = None, experts: bool = False, packing: bool = False, fused_attention: bool = False
+):
     """TE spec where TransformerEngine imports (GPU); local spec with SP-capable RMSNorm otherwise. `experts`: the
     MLP is megatron's MoE layer (config.num_moe_experts experts; a loop of experts unless moe_grouped_gemm).
-    `packing`: our core attention, which keeps each sample of a packed row to itself (mgrpo/data/packing.py)."""
+    `packing`: our core attention, which keeps each sample of a packed row to itself (mgrpo/data/packing.py).
+    `fused_attention` (local spec, no CP, no packing): TE's fused core attention between megatron's own linears,
+    the spec LoRA trains with on a GPU (its adapters wrap those linears; local attention would keep every
+    layer's score matrices: 76 GiB instead of 31 GiB per rank for Qwen2.5-72B at TP8, by --print-plan)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
@@ -125,6 +136,10 @@ def layer_spec(config, use_te: Optional[bool] = None, experts: bool = False, pac
         from mgrpo.models.cp_attention import CPDotProductAttention
 
         sub.self_attention.submodules.core_attention = CPDotProductAttention
+    elif fused_attention:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        sub.self_attention.submodules.core_attention = TEDotProductAttention
     if config.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = QKRMSNorm
         sub.self_attention.submodules.k_layernorm = QKRMSNorm
@@ -185,16 +200,22 @@ def llama3_inv_freq(rope, head_dim: int, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _block_spec(config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None, packing: bool = False):
+def _block_spec(
+    config, info: ModelInfo, vp_stage, use_te: Optional[bool] = None, packing: bool = False, fused_attention=False
+):
     """This chunk's layer specs: the MoE layer where info.moe says a layer is sparse, the dense one elsewhere."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     use_te = have_transformer_engine() if use_te is None else use_te
-    dense = add_hf_biases(layer_spec(config, use_te, packing=packing), info)
+    dense = add_hf_biases(layer_spec(config, use_te, packing=packing, fused_attention=fused_attention), info)
     if info.moe is None and use_te:
         return dense  # TE's spec brings its own final norm
-    sparse = layer_spec(config, use_te, experts=True, packing=packing) if info.moe is not None else None
+    sparse = (
+        layer_spec(config, use_te, experts=True, packing=packing, fused_attention=fused_attention)
+        if info.moe is not None
+        else None
+    )
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = [sparse if info.moe is not None and info.moe.sparse_layers[first + i] else dense for i in range(n)]
@@ -217,15 +238,18 @@ def build_model(
     moe=None,
     use_te: Optional[bool] = None,
     packing: bool = False,
+    fused_attention: bool = False,
 ) -> list:
     """This rank's model chunks (one per virtual pipeline stage). Needs `setup_model_parallel` first. `moe`: the
     config's MoeConfig (a model with experts only). `use_te`: None = TransformerEngine's spec where it imports.
-    `packing`: runs packed rows (train.sequence_packing; the local spec with our core attention)."""
+    `packing`: runs packed rows (train.sequence_packing; the local spec with our core attention).
+    `fused_attention`: with the local spec, TE's core attention (layer_spec)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
     info = read_model_info(model) if isinstance(model, str) else model
-    config = transformer_config(info, parallel, params_dtype, moe=moe, **(config_overrides or {}))
+    use_te = have_transformer_engine() if use_te is None else use_te
+    config = transformer_config(info, parallel, params_dtype, moe=moe, te_layers=use_te, **(config_overrides or {}))
     if info.moe is not None:
         _without_te_moe_gemm()
     vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
@@ -236,7 +260,7 @@ def build_model(
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=_block_spec(config, info, stage, use_te, packing),
+            transformer_layer_spec=_block_spec(config, info, stage, use_te, packing, fused_attention),
             vocab_size=vocab,
             max_sequence_length=info.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

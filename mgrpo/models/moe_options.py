@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -13,4 +14,4 @@ class MoeConfig:
     aux_loss_coeff: float = 0.0  # megatron's load-balancing loss in the training loss; 0 = off (RL default)
     z_loss_coeff: float = 0.0  # router z-loss; 0 = off
     token_dispatcher: str = "auto"  # auto (= alltoall) | alltoall | allgather (needs equal tokens per EP rank)
-    grouped_gemm: bool = False  # megatron's grouped-GEMM experts (GPU with TransformerEngine) instead of a loop
+    grouped_gemm: Optional[bool] = None  # TE's grouped-GEMM experts, not a loop; null: on a GPU with TransformerEngine

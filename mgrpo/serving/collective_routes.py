@@ -22,6 +22,7 @@ import secrets
 import time
 
 from mgrpo.serving.weight_routes import UpdateFailed, UpdateState, apply_version
+from mgrpo.weights.transports.collective_group import version_mismatch, wire_versions
 
 MAX_SENDERS = 4096
 
@@ -75,9 +76,13 @@ def add_collective_routes(
     async def open_groups(request: Request):
         if int(request.headers.get("content-length") or 1 << 20) > 4096:
             return error(413, 'the open body is {"senders": N}')
-        senders = int((await request.json()).get("senders", 0))
+        body = await request.json()
+        senders = int(body.get("senders", 0))
         if not 1 <= senders <= MAX_SENDERS:
             return error(400, f"senders={senders}: one per trainer pipeline stage, 1..{MAX_SENDERS}")
+        mismatch = version_mismatch(body.get("versions"), wire_versions(backend), backend)
+        if mismatch:
+            return error(409, mismatch)
         async with update.lock:
             why = update.refusal(None) or update.claim(None, request.headers)
             if why:
@@ -100,7 +105,7 @@ def add_collective_routes(
             state.joined = asyncio.ensure_future(
                 engine_client.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
             )
-        return dict(info, workers=workers, senders=senders)
+        return dict(info, workers=workers, senders=senders, versions=wire_versions(backend))
 
     @app.post("/mgrpo/collective/{version}/update")
     async def collective_update(version: int, request: Request):

@@ -79,6 +79,12 @@ CHECKS = [  # name, budget (s), what it shows; cheap and independent first
         "GPU): weights synced, engine logprobs = trainer logprobs (fp32, mean |d| <= 1e-4)",
     ),
     (
+        "fast_paths",
+        40,
+        "megatron's fused kernels (model.fusions auto) and activation recompute (selective, full) on the GPU: "
+        "every gradient within 1e-4 relative of the plain model's, fp32; peak memory of full recompute below none",
+    ),
+    (
         "sync_7b",
         80,
         "export + in-process sync of a random Qwen2.5-7B-shape model in bf16: seconds and GB/s beside "
@@ -104,7 +110,10 @@ def remaining(floor: float = 10.0) -> float:
 
 
 def log_dir() -> str:
-    path = os.environ.get("GPU_CHECK_LOG_DIR") or os.path.join(ROOT, "outputs", "gpu_check")
+    """GPU_CHECK_LOG_DIR, else $OUT/gpu_check on the lent machine (what comes back), else outputs/gpu_check."""
+    out = os.environ.get("OUT")
+    default = os.path.join(out, "gpu_check") if out else os.path.join(ROOT, "outputs", "gpu_check")
+    path = os.environ.get("GPU_CHECK_LOG_DIR") or default
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -147,6 +156,8 @@ def sync():
 
 
 def setup_megatron():
+    from megatron.core import parallel_state as mpu
+
     from mgrpo.config import ParallelConfig
     from mgrpo.parallel.distributed import init_distributed
     from mgrpo.parallel.state import setup_model_parallel
@@ -154,7 +165,60 @@ def setup_megatron():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(k, None)
     init_distributed()  # nccl with CUDA (world size 1), gloo without
-    setup_model_parallel(ParallelConfig())
+    if not mpu.model_parallel_is_initialized():
+        setup_model_parallel(ParallelConfig())
+
+
+def check_fast_paths(args, root: str) -> dict:
+    import torch
+
+    from mgrpo.config import ParallelConfig
+    from mgrpo.models.builder import build_model, have_transformer_engine
+    from mgrpo.models.fast_paths import fusion_overrides, kernels, recompute_overrides
+    from mgrpo.models.forward import causal_mask, position_ids
+    from mgrpo.models.tiny import make_tiny_hf
+    from mgrpo.weights.load import load_hf
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shape = TINY if args.tiny else QWEN25_05B
+    model_dir = make_tiny_hf(os.path.join(root, "fast_paths"), seed=0, **shape)
+    setup_megatron()
+    cuda, te = torch.cuda.is_available(), have_transformer_engine()
+    ids = torch.randint(
+        0, shape["vocab_size"], (2, 64 if args.tiny else 512), generator=torch.Generator().manual_seed(1)
+    )
+    ids = ids.to(dev())
+
+    def grads(fusions: str, recompute: str):
+        over = {**fusion_overrides(fusions, cuda, te, te, False, kernels()), **recompute_overrides(recompute)}
+        chunk = build_model(model_dir, ParallelConfig(), "float32", 128, config_overrides=over, seed=0)[0]
+        load_hf([chunk], model_dir)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        b, n = ids.shape
+        logits = chunk(ids, position_ids(b, n, ids.device), causal_mask(n, ids.device))
+        torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).sum().backward()
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        out = {k: p.grad.float().clone() for k, p in chunk.named_parameters() if p.grad is not None}
+        del chunk, logits
+        return out, peak
+
+    def rel(a, b):
+        return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
+
+    ref, peak_none = grads("off", "none")
+    fused, _ = grads("auto", "none")
+    selective, _ = grads("auto", "selective")
+    full, peak_full = grads("auto", "full")
+    worst = max(rel(fused, ref), rel(selective, ref), rel(full, ref))
+    ok = worst <= 1e-4 and (not cuda or peak_full < peak_none)
+    return dict(
+        ok=ok,
+        fast_paths_fused_rel=f"{rel(fused, ref):.2e}",
+        fast_paths_recompute_rel=f"{max(rel(selective, ref), rel(full, ref)):.2e}",
+        fast_paths_peak_mib_none=f"{peak_none / 2**20:.0f}",
+        fast_paths_peak_mib_full=f"{peak_full / 2**20:.0f}",
+    )
 
 
 def check_parity(args, root: str) -> dict:
@@ -445,6 +509,7 @@ def main() -> int:
         "grpo_step": check_grpo_step,
         "fused": check_fused,
         "sync_7b": check_sync_7b,
+        "fast_paths": check_fast_paths,
         "cuda_ipc": check_cuda_ipc,
     }
     result, passed = {}, 0

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ENV = {
     k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 }
-CHECK_ORDER = ["cuda_ipc", "fused", "parity", "grpo_step", "sync_7b"]
+CHECK_ORDER = ["cuda_ipc", "fused", "parity", "grpo_step", "fast_paths", "sync_7b"]
 ABSENT_ON_GPU_MACHINE = ("datasets", "vllm", "matplotlib", "tensorboard", "math_verify", "peft")
 # The packages are made absent, not broken: the path finder does not find them, so `import x` fails as on a machine
 # without x and importlib.util.find_spec("x") is None (accelerate's and transformers' availability checks ask it).
@@ -40,7 +40,7 @@ def test_without_cuda_the_script_prints_its_plan_and_exits_0():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("  skip ")] == CHECK_ORDER
-    assert lines[-1] == "result: gpu_check=skipped checks=0/5"
+    assert lines[-1] == f"result: gpu_check=skipped checks=0/{len(CHECK_ORDER)}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -71,7 +71,7 @@ def test_dry_rehearsal_of_the_gpu_machine(tmp_path):
     checks = [line for line in proc.stdout.splitlines() if line.startswith("check ")]
     assert [line.split()[1].rstrip(":") for line in checks] == CHECK_ORDER
     assert all(" PASS " in line for line in checks), checks
-    assert proc.stdout.splitlines()[-1].endswith("checks=5/5")
+    assert proc.stdout.splitlines()[-1].endswith(f"checks={len(CHECK_ORDER)}/{len(CHECK_ORDER)}")
     assert (tmp_path / "logs" / "grpo_step.stderr.log").is_file()
 
 

@@ -2,6 +2,8 @@
 linears must handle), the base with adapters off, the merged export against PEFT's merge_and_unload, PEFT names
 round trip, the trainable count against PEFT's, and the config's refusals."""
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,37 @@ def test_rank_above_the_smallest_dimension_is_refused(model_dir):
     info = read_model_info(model_dir)
     assert lora_layout_problems(LoraConfig(rank=4), info) == []
     assert "exceeds the smallest adapted dimension" in lora_layout_problems(LoraConfig(rank=10_000), info)[0]
+
+
+def test_lora_takes_transformer_engines_core_attention_where_it_imports(monkeypatch):
+    """On a GPU, LoRA's layers keep megatron's own linears (the adapters wrap them) and take TE's fused core
+    attention, which keeps no score matrices (what --print-plan counts for LoRA); packing and CP keep our core
+    attention, and without the flag the local spec is megatron's own. TE does not import here: a stand-in module
+    gives the class its name, and the real one is read on the GPU machine."""
+    import sys
+    import types
+
+    from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imported before the stand-in exists)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from mgrpo.models.builder import layer_spec, transformer_config
+    from mgrpo.models.cp_attention import CPDotProductAttention
+    from mgrpo.models.hf_config import read_model_info
+
+    class TEDotProductAttention(DotProductAttention):
+        pass
+
+    te = types.ModuleType("megatron.core.extensions.transformer_engine")
+    te.TEDotProductAttention = TEDotProductAttention
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", te)
+    info = read_model_info(
+        os.path.join(os.path.dirname(__file__), "..", "..", "examples", "model_configs", "Qwen2.5-7B-Instruct")
+    )
+    config = transformer_config(info, ParallelConfig())
+
+    def core(**kw):
+        return layer_spec(config, use_te=False, **kw).submodules.self_attention.submodules.core_attention
+
+    assert core(fused_attention=True) is TEDotProductAttention
+    assert core(fused_attention=True, packing=True) is CPDotProductAttention
+    assert core() is DotProductAttention

@@ -77,3 +77,20 @@ def test_buckets_cross_a_gloo_group_bit_exact():
 def test_buckets_cross_an_nccl_group_bit_exact():
     results = _run("nccl")
     assert "sent" in results and ("received", True, 4) in results
+
+
+def test_the_handshake_refuses_other_torch_or_nccl_versions_in_one_line():
+    """Both ends of a collective group send their versions (`wire_versions`); a torch of another minor version, or
+    over NCCL another NCCL, is refused before any group forms (peers of different NCCL versions can hang)."""
+    from mgrpo.weights.transports.collective_group import version_mismatch, wire_versions
+
+    mine = wire_versions("gloo")
+    assert mine["torch"] and version_mismatch(mine, dict(mine), "gloo") is None
+    assert version_mismatch({"torch": "2.13.0"}, {"torch": "2.13.1"}, "gloo") is None  # patch releases share a wire
+    line = version_mismatch({"torch": "2.13.0"}, {"torch": "2.11.0"}, "gloo")
+    assert "torch 2.13.0 (trainer) vs 2.11.0 (server)" in line and "\n" not in line
+    ok = {"torch": "2.11.0", "nccl": "2.27.3"}
+    assert version_mismatch(ok, dict(ok), "nccl") is None
+    assert "NCCL 2.26.2 (trainer) vs 2.27.3 (server)" in version_mismatch({**ok, "nccl": "2.26.2"}, ok, "nccl")
+    assert "NCCL None (trainer)" in version_mismatch({"torch": "2.11.0", "nccl": None}, ok, "nccl")  # no CUDA
+    assert version_mismatch({"torch": "2.11.0", "nccl": None}, {"torch": "2.11.0"}, "gloo") is None

@@ -26,7 +26,13 @@ from megatron.core import parallel_state as mpu
 from mgrpo.weights.export import stage_senders, stage_tensors
 from mgrpo.weights.stream_pack import StreamPacker, pack_stream
 from mgrpo.weights.sync import PerStageSync, WeightSyncError
-from mgrpo.weights.transports.collective_group import join_group, send_bucket, send_end
+from mgrpo.weights.transports.collective_group import (
+    join_group,
+    send_bucket,
+    send_end,
+    version_mismatch,
+    wire_versions,
+)
 
 
 class CollectiveTransport(PerStageSync):
@@ -51,7 +57,13 @@ class CollectiveTransport(PerStageSync):
                 plan[r.name] = "keep"
                 continue
             try:
-                info = self.engine.post(r, "/mgrpo/collective/open", {"senders": len(self.senders)}, timeout=30)
+                mine = {"torch": wire_versions("gloo")["torch"], "nccl": _nccl_version()}
+                body = {"senders": len(self.senders), "versions": mine}
+                info = self.engine.post(r, "/mgrpo/collective/open", body, timeout=30)
+                mismatch = version_mismatch(mine, info.get("versions"), info.get("backend", "gloo"))
+                if mismatch:  # a server that did not check (or checked otherwise): never join a group that may hang
+                    self.engine.mark_down(r, mismatch)
+                    continue
                 plan[r.name] = {
                     k: info[k] for k in ("host", "port", "nonce", "workers", "backend", "timeout_s", "op_timeout_s")
                 }
@@ -229,3 +241,10 @@ class CollectiveTransport(PerStageSync):
             group.close()
         self.groups.clear()
         self.buffers = [None, None]
+
+
+def _nccl_version() -> str | None:
+    """This trainer's NCCL (None without CUDA: a server on NCCL then refuses it in one line)."""
+    import torch
+
+    return ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None

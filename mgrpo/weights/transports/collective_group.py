@@ -23,6 +23,33 @@ from mgrpo.weights.bucket import Bucket
 BUCKET, END = 1, 0
 
 
+def wire_versions(backend: str) -> dict:
+    """What both ends of a group must share: torch (its TCPStore and process-group wire format) and, over NCCL, the
+    NCCL library itself (peers of different NCCL versions can hang inside a collective rather than fail)."""
+    out = {"torch": torch.__version__.split("+")[0]}
+    if backend == "nccl":
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    return out
+
+
+def version_mismatch(trainer: dict, server: dict, backend: str) -> str | None:
+    """One line naming both sides' versions when they cannot share a group: torch major.minor differs, or over
+    NCCL the NCCL version (exactly); None when they match."""
+    t, s = trainer or {}, server or {}
+    minor = lambda v: ".".join(str(v or "?").split(".")[:2])  # noqa: E731
+    problems = []
+    if minor(t.get("torch")) != minor(s.get("torch")):
+        problems.append(f"torch {t.get('torch')} (trainer) vs {s.get('torch')} (server)")
+    if backend == "nccl" and (not t.get("nccl") or t.get("nccl") != s.get("nccl")):
+        problems.append(f"NCCL {t.get('nccl')} (trainer) vs {s.get('nccl')} (server)")
+    if not problems:
+        return None
+    return (
+        f"the collective weight channel ({backend}) needs the same versions on both ends: {'; '.join(problems)}; "
+        f"install the same torch build on the trainer and the rollout servers"
+    )
+
+
 class Group:
     """One (server, sender) process group and the store connection that formed it."""
 
