@@ -12,7 +12,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false PYTHON
 WORKERS=${MGRPO_TEST_WORKERS:-2}
 XDIST=()
 [ "$WORKERS" -gt 0 ] && XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
-"$PY" -m pytest -q -p no:cacheprovider --durations=15 "${XDIST[@]}" "${@:-tests}"
+"$PY" -m pytest -q -p no:cacheprovider --durations=40 "${XDIST[@]}" "${@:-tests}"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests (exit 5)" >&2
