@@ -197,16 +197,16 @@ def test_unique_parameters_over_ranks_equal_hf(counts, name):
         assert all(p["experts"] == experts for p in counts[name]["plans"]), counts[name]["plans"]
 
 
+def launch_env() -> dict:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def launch(*args, timeout=120):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
     return subprocess.run(
         [sys.executable, "launch/train_grpo.py", *args],
         cwd=ROOT,
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -326,17 +326,31 @@ def test_the_7b_example_prints_which_engine_holds_which_gpus_and_fits_only_aslee
 
 
 _PLANS: dict = {}
+PLAN_32B = """
+import json, sys
+from mgrpo.config import load_config
+from mgrpo.plan import build_plan, built_attention
+cfg = load_config(argv=["--config", "examples/qwen2.5-32b.yaml"], check_files=False)
+p = build_plan(cfg, 8, built_attention(cfg))
+keep = ("world", "groups", "trainable", "unique_total", "attention")
+print(json.dumps({**{k: p[k] for k in keep}, "ranks": [dict(rank=r["rank"], memory=r["memory"]) for r in p["ranks"]]}))
+"""
 
 
 def _gpu_plan(*argv, gpu="h100"):
-    """The 32B example's per-GPU plan with `argv` (rollout settings only: the per-rank plan is built once)."""
+    """The 32B example's per-GPU plan with `argv` (rollout settings only): the per-rank plan is built once, in a
+    process of its own (it builds under a fake process group; a test worker may hold a real one)."""
     from mgrpo.config import load_config
-    from mgrpo.plan import build_plan, built_attention
+    from mgrpo.models.hf_config import read_model_info
     from mgrpo.plan_gpu import GPU_GIB, format_gpu_plan, gpu_rows
 
     cfg = load_config(argv=["--config", "examples/qwen2.5-32b.yaml", *argv], check_files=False)
     if "plan" not in _PLANS:
-        _PLANS["plan"] = build_plan(cfg, 8, built_attention(cfg))
+        proc = subprocess.run(
+            [sys.executable, "-c", PLAN_32B], cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env()
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        _PLANS["plan"] = dict(json.loads(proc.stdout.strip().splitlines()[-1]), info=read_model_info(cfg.model.path))
     plan = _PLANS["plan"]
     engine, rows = gpu_rows(cfg, plan, GPU_GIB[gpu] * 2**30)
     return cfg, plan, engine, rows, format_gpu_plan(cfg, plan, GPU_GIB[gpu])

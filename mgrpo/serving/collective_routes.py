@@ -80,7 +80,9 @@ def add_collective_routes(
         senders = int(body.get("senders", 0))
         if not 1 <= senders <= MAX_SENDERS:
             return error(400, f"senders={senders}: one per trainer pipeline stage, 1..{MAX_SENDERS}")
-        mismatch = version_mismatch(body.get("versions"), wire_versions(backend), backend)
+        # a trainer sends its versions (and checks the server's in the answer); a client that sends none is
+        # checked on its side only
+        mismatch = body.get("versions") and version_mismatch(body["versions"], wire_versions(backend), backend)
         if mismatch:
             return error(409, mismatch)
         async with update.lock:

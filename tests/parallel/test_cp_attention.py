@@ -301,7 +301,7 @@ def _build_gpt(parallel):
 
     plain = builder.layer_spec
 
-    def cp_spec(config, use_te=None, experts=False, packing=False):
+    def cp_spec(config, use_te=None, experts=False, packing=False, fused_attention=False):
         spec = plain(config, use_te=False, experts=experts)
         spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
         return spec
