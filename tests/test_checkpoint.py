@@ -226,16 +226,24 @@ def test_tp2_pp2_resumes_exactly_and_at_tp1(runs):
 
 
 def test_dp2_distributed_optimizer_with_async_save_resumes_exactly(runs):
-    """The default format (each rank writes its own optimizer shard, megatron's dp_reshardable): exact at DP2,
-    continued at DP1; a TP change is refused in one line before anything starts."""
+    """The default format (each rank writes its own optimizer shard, megatron's dp_reshardable), with megatron-core
+    on its TransformerEngine optimizer branch (tests/te_adam_run.py: its module flags, and an optimizer that lays
+    out its state as TE's FusedAdam does: the step in the param groups, no per-parameter `step`): exact at DP2,
+    continued at DP1; a TP change is refused in one line before anything starts. Allocating a per-parameter `step`
+    before the load (what checkpoint.py did) fails the resume with KeyError: 'step' (measured once: raised by the
+    state-key table TE's FusedAdam keeps; megatron's `_set_main_param_and_optimizer_states` would raise the same).
+    torch's Adam with the distributed optimizer resumes in test_tp2_pp2_resumes_exactly_and_at_tp1."""
+    te = os.path.join(ROOT, "tests", "te_adam_run.py")
     dp = ["--train.use_distributed_optimizer", "true", "--checkpoint.async_save", "true"]
-    launch(runs, "dp2", *dp, nproc=2)
+    r = launch(runs, "dp2", *dp, nproc=2, launcher=te)
+    assert "TELayoutAdam steps: 12" in r.stderr  # 6 steps x 2 mini-batches, all through the TE-layout optimizer
     ckpt = str(runs / "dp2-ckpt" / "step_000003")
     meta = json.load(open(os.path.join(ckpt, "mgrpo_meta.json")))
     assert meta["layout"]["optimizer_format"] == "dp_reshardable" and len(meta["save_peak_host_mib"]) == 2
-    resume_copy(runs, "dp2", "dp2_resumed", ckpt, *dp, nproc=2)
+    r = resume_copy(runs, "dp2", "dp2_resumed", ckpt, *dp, nproc=2, launcher=te)
+    assert "TELayoutAdam steps: 6" in r.stderr
     assert_same_run(runs / "dp2", runs / "dp2_resumed", runs / "dp2-ckpt", runs / "dp2_resumed-ckpt")
-    launch(runs, "dp1_from_dp2", "--resume", ckpt, *dp)
+    launch(runs, "dp1_from_dp2", "--resume", ckpt, *dp, launcher=te)
     ref, got = rows(runs / "dp2" / "metrics.jsonl")[3], rows(runs / "dp1_from_dp2" / "metrics.jsonl")
     assert [g["step"] for g in got] == [3, 4, 5] and abs(got[0]["actor/loss"] - ref["actor/loss"]) < 1e-5
     from mgrpo.config import load_config
@@ -247,24 +255,6 @@ def test_dp2_distributed_optimizer_with_async_save_resumes_exactly(runs):
         check_resume(load_config(argv=[*argv, "--parallel.tp", "2"], check_files=False))
     line = refused.value.lines
     assert len(line) == 1 and "saved per data-parallel shard" in line[0] and "TP 1 -> 2" in line[0], line
-
-
-def test_resume_with_transformer_engines_optimizer_layout_is_exact(runs):
-    """megatron-core's TransformerEngine branch (tests/te_adam_run.py: its module flags, and an optimizer that lays
-    out its state as TE's FusedAdam does: the step in the param groups, no per-parameter `step`) with the
-    distributed optimizer: the run saved at step 3 and resumed equals the uninterrupted one bitwise. Allocating a
-    per-parameter `step` before the load (what checkpoint.py did) fails that resume with KeyError: 'step' (measured
-    once: raised by the state-key table TE's FusedAdam keeps; megatron's `_set_main_param_and_optimizer_states`
-    would raise the same on the way)."""
-    te = os.path.join(ROOT, "tests", "te_adam_run.py")
-    dist = ["--train.use_distributed_optimizer", "true"]
-    r = launch(runs, "te", *dist, launcher=te)
-    assert "TELayoutAdam steps: 12" in r.stderr  # 6 steps x 2 mini-batches, all through the TE-layout optimizer
-    meta = json.load(open(runs / "te-ckpt" / "step_000003" / "mgrpo_meta.json"))
-    assert meta["state"]["actor"]["scheduler"]["num_steps"] == 6
-    r = resume_copy(runs, "te", "te_resumed", str(runs / "te-ckpt" / "step_000003"), *dist, launcher=te)
-    assert "TELayoutAdam steps: 6" in r.stderr
-    assert_same_run(runs / "te", runs / "te_resumed", runs / "te-ckpt", runs / "te_resumed-ckpt")
 
 
 def _main(argv, capsys):

@@ -128,7 +128,7 @@ LAYOUTS = {
     "llama-3.1-8b": [(8, 2), (2, 1)],
     "qwen3-8b": [(8, 2), (2, 1)],
     "qwen3-30b-a3b": EP_LAYOUTS + [(1, 1, 4, 16, False)],  # expert-DP 4: expert replicas count once
-    "qwen3-235b-a22b": EP_LAYOUTS,
+    "qwen3-235b-a22b": EP_LAYOUTS[:1],  # 94 layers x 128 experts per meta build: one layout (30B covers the rest)
 }
 
 
