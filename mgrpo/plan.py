@@ -468,15 +468,11 @@ def format_plan(cfg, plan: dict) -> str:
         + ("" if colocated else "; rollout engines not included")
     )
     if colocated:
-        from mgrpo.plan_gpu import GPU_GIB, format_gpu_plan
-        from mgrpo.rollout.placement import PlacementError, describe, planned_devices
+        from mgrpo.plan_gpu import GPU_GIB, engine_map, format_gpu_plan
+        from mgrpo.rollout.placement import PlacementError, describe
 
-        dp_of = [0] * plan["world"]
-        for group in plan["groups"]["dp"]:
-            for i, r in enumerate(group):
-                dp_of[r] = i
         try:
-            devices, hosts = planned_devices(cfg, dp_of)
+            devices, hosts = engine_map(cfg, plan)
         except PlacementError as exc:
             lines.append(f"engines: cannot be placed: {exc}")
         else:

@@ -84,16 +84,22 @@ def trainer_phases(cfg, m: dict, ref: float, world: int) -> dict:
     )
 
 
-def gpu_rows(cfg, plan: dict, gpu: float) -> tuple:
-    """(engine memory, one row per GPU of the first node): its rank, engine, and the peak of each phase, as
-    configured and without sleep/offload."""
+def engine_map(cfg, plan: dict) -> tuple:
+    """(GPUs per engine, host per engine) as `start_engine` will place them (rollout/placement.py), from the plan's
+    DP groups; raises PlacementError."""
     from mgrpo.rollout.placement import planned_devices
 
     dp_of = [0] * plan["world"]
     for group in plan["groups"]["dp"]:
         for i, r in enumerate(group):
             dp_of[r] = i
-    devices, _ = planned_devices(cfg, dp_of)
+    return planned_devices(cfg, dp_of)
+
+
+def gpu_rows(cfg, plan: dict, gpu: float) -> tuple:
+    """(engine memory, one row per GPU of the first node): its rank, engine, and the peak of each phase, as
+    configured and without sleep/offload."""
+    devices, _ = engine_map(cfg, plan)
     holder = {(0, int(d)): e for e, ds in enumerate(devices) for d in ds if ds}  # engines on node 0 only
     adapter = (plan["trainable"] or 0) if cfg.rollout.lora_sync == "adapter" and cfg.model.lora.rank else 0
     base = plan["unique_total"] - (plan["trainable"] or 0)  # the engine holds the base (merged: adapters folded in)
@@ -106,10 +112,12 @@ def gpu_rows(cfg, plan: dict, gpu: float) -> tuple:
         ref = m["weights"] if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank else 0.0  # a frozen copy
         t = trainer_phases(cfg, m, ref, plan["world"])
         e = holder.get((0, x["rank"]))
-        awake = engine["budget"] + engine["context"] if e is not None else 0.0
-        asleep = (ENGINE_ASLEEP + engine["context"] if level else awake) if e is not None else 0.0
-        pushing = engine["weights"] + engine["graphs"] + engine["context"] if e is not None else 0.0
-        pushing += (cfg.rollout.update_bucket_mb << 20) if e is not None else 0
+        awake = asleep = pushing = 0.0  # a GPU no engine uses
+        if e is not None:
+            awake = engine["budget"] + engine["context"]
+            # asleep: what vLLM keeps outside its pools; pushing: weights awake, KV asleep, one bucket coming in
+            asleep = ENGINE_ASLEEP + engine["context"] if level else awake
+            pushing = engine["weights"] + engine["graphs"] + engine["context"] + (cfg.rollout.update_bucket_mb << 20)
         rows.append(
             dict(
                 gpu=x["rank"],
