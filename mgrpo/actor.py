@@ -28,21 +28,23 @@ class Actor:
         """`replay_routing`: MoE routing replay for this model's forwards (None: algorithm.routing_replay); the
         reference policy routes on its own (`reference_policy`)."""
         self.cfg = cfg
+        from mgrpo.models.fast_paths import attention_choice
+
         lora = cfg.model.lora.rank > 0 and train  # LoRA's own local spec (TE fuses the norm into linear_qkv)
-        local = lora or cfg.train.sequence_packing  # packed rows mask attention per sample: the local spec's path
-        te = have_transformer_engine()
-        fused_attention = lora and not cfg.train.sequence_packing and te  # no score matrices kept
+        packing = cfg.train.sequence_packing
+        choice = attention_choice(lora, packing, cfg.parallel.cp, have_transformer_engine())
+        self.thd = choice.thd  # packed rows as TE's THD sequences (forward_backward)
         chunks = build_model(
             model_dir,
             cfg.parallel,
             cfg.model.params_dtype,
             cfg.model.make_vocab_size_divisible_by,
-            config_overrides=fast_path_overrides(cfg, te and not local, train),
+            config_overrides=fast_path_overrides(cfg, choice.te_spec, train),
             seed=cfg.train.seed,
             moe=cfg.model.moe,
-            use_te=False if local else None,
-            packing=cfg.train.sequence_packing,
-            fused_attention=fused_attention,
+            use_te=choice.te_spec,
+            packing=packing and not choice.thd,  # our core attention for packed rows
+            fused_attention=choice.fused,
         )
         load_hf(chunks, model_dir)
         if lora:  # adapters on the frozen base (models/lora.py); DDP and the optimizer see the adapters only
@@ -144,7 +146,7 @@ class Actor:
                 out["entropy"] = ent * mb["loss_mask"]
             return logits.sum() * 0.0, out
 
-        stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=True)
+        stats = forward_backward(self.chunks, microbatches, loss_fn, forward_only=True, thd=self.thd)
         logps = [s["logp"] for s in stats]
         return (logps, [s["entropy"] for s in stats]) if entropy else logps
 
@@ -196,7 +198,7 @@ class Actor:
             stats.update(loss_sum=weighted.detach(), tokens=tokens)
             return weighted * scale, stats
 
-        return forward_backward(self.chunks, microbatches, loss_fn, forward_only=False)
+        return forward_backward(self.chunks, microbatches, loss_fn, forward_only=False, thd=self.thd)
 
     def grads_finite(self) -> bool:
         """True on every rank iff every rank's gradients are finite (one all-reduce over the world).
@@ -365,18 +367,20 @@ def make_lr_schedule(optimizer, t, total_steps: int | None = None):
     )
 
 
-def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_only: bool) -> list:
+def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_only: bool, thd: bool = False) -> list:
     """Run `loss_fn(mb, output_tensor) -> (loss, stats)` over every micro-batch through megatron's schedules (no
     pipelining, 1F1B, interleaved VPP).
 
     Returns the per-micro-batch stats on the last pipeline stage ([] elsewhere). Sequence lengths may
-    differ between micro-batches (config.variable_seq_lengths makes the p2p layer send shapes).
+    differ between micro-batches (config.variable_seq_lengths makes the p2p layer send shapes). `thd`: a packed row
+    runs as TE's THD sequences (megatron applies each sample's RoPE from cu_seqlens), else through our core
+    attention and RoPE table (data/packing.packed_attention).
     """
     import functools
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mgrpo.data.packing import model_inputs, packed_attention
+    from mgrpo.data import packing
     from mgrpo.models.router_stats import tokens_of
     from mgrpo.models.routing import routes_of
 
@@ -386,17 +390,19 @@ def forward_backward(model_chunks: list, microbatches: list, loss_fn, forward_on
         valid, routing = (
             (packed["valid"][None], packed.get("routing")) if packed else (mb.get("valid"), mb.get("routing"))
         )
+        thd_row = bool(packed) and thd
         with (
             tokens_of(valid),
             routes_of(None if routing is None else routing[None] if packed else routing),
-            packed_attention(unwrap(model), packed),
+            packing.packed_attention(unwrap(model), {} if thd_row else packed),
         ):  # MoE: padding out of metrics; replay; packed rows
-            out = model(*model_inputs(mb))
+            extra = dict(packed_seq_params=packing.thd_params(packed["segments"])) if thd_row else {}
+            out = model(*packing.model_inputs(mb), **extra)
         return out, functools.partial(loss_fn, mb)
 
     vpp = len(model_chunks) > 1
     data = [iter(microbatches) for _ in model_chunks] if vpp else iter(microbatches)
-    shapes = [model_inputs(mb)[0].shape for mb in microbatches]
+    shapes = [packing.model_inputs(mb)[0].shape for mb in microbatches]
     return get_forward_backward_func()(
         forward_step_func=step,
         data_iterator=data,

@@ -194,16 +194,18 @@ def plan_seq_len(cfg) -> int:
 
 ATTENTION = {
     "flash": "fused attention (TE/flash on GPU): no score matrix kept",
-    "local": "megatron's local attention (sequence packing, LoRA at CP > 1, CPU): fp32 scores and probabilities kept",
+    "local": "megatron's local attention (packing or LoRA at CP > 1, CPU): fp32 scores and probabilities kept",
 }
 
 
 def built_attention(cfg) -> str:
-    """The attention the run builds on a GPU with TransformerEngine (actor.py): sequence packing, and LoRA with
-    CP > 1, use our core attention on megatron's local spec, which keeps the score matrices; everything else
-    (LoRA included: TE's core attention between megatron's own linears) TE's fused attention."""
-    local = cfg.train.sequence_packing or (cfg.model.lora.rank and cfg.parallel.cp > 1)
-    return "local" if local else "flash"
+    """The attention the run builds on a GPU with TransformerEngine: the actor's own choice
+    (models/fast_paths.attention_choice): TE's fused attention, packed rows as THD, except packing and LoRA at
+    CP > 1, which run our core attention on megatron's local spec and keep the score matrices."""
+    from mgrpo.models.fast_paths import attention_choice
+
+    lora = cfg.model.lora.rank > 0
+    return "flash" if attention_choice(lora, cfg.train.sequence_packing, cfg.parallel.cp, te=True).fused else "local"
 
 
 def activation_bytes_per_layer(

@@ -3,7 +3,8 @@ micro-batches by token budget (`train.max_tokens_per_microbatch`, verl's use_dyn
 
 A packed micro-batch runs the model on ONE row: its samples' tokens back to back, padded only at the end (to a
 multiple of TP under SP, of 2 x CP under CP). Each token's RoPE position restarts with its sample and attention
-stays inside its sample: our core attention (`models/cp_attention.py`, in the layer spec whenever packing is on)
+stays inside its sample. With TransformerEngine at CP = 1 the row goes to TE's fused attention as THD sequences
+(`thd_params`; models/fast_paths.attention_choice); otherwise our core attention (`models/cp_attention.py`)
 attends each sample on its own (cost ~ sum of squared lengths, not the row's square), or under CP masks by segment
 ids over the gathered row. Under CP the packed row is split in megatron's zigzag layout like any sequence.
 The loss side does not change: the logprobs of the packed tokens are scattered back into the padded [B, L] layout
@@ -117,6 +118,21 @@ def model_inputs(mb: dict) -> tuple:
     if p is None:
         return mb["input_ids"], mb["position_ids"], mb["attention_mask"]
     return p["input_ids"][None], p["position_ids"][None], p["attention_mask"]
+
+
+def thd_params(segments: torch.Tensor):
+    """megatron's `PackedSeqParams` for TE's THD attention over a packed row (CP = 1): one sequence per sample, the
+    padding at the end a sequence of its own (its outputs carry no loss). megatron's attention then applies RoPE per
+    sequence from cu_seqlens (`rope_utils._apply_rotary_pos_emb_thd`) and TE attends within each."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    counts = torch.unique_consecutive(segments, return_counts=True)[1]
+    cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=segments.device)
+    cu[1:] = counts.cumsum(0)
+    longest = int(counts.max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 @contextlib.contextmanager

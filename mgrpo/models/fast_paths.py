@@ -20,6 +20,8 @@ and recomputes the whole layer (megatron's `uniform` method, one layer per unit)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 FUSIONS = ("auto", "off")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -80,3 +82,26 @@ def overlap_settings(train, cuda: bool) -> dict:
     grad = default if train.overlap_grad_reduce is None else bool(train.overlap_grad_reduce)
     param = default if train.overlap_param_gather is None else bool(train.overlap_param_gather)
     return dict(overlap_grad_reduce=grad, overlap_param_gather=param and train.use_distributed_optimizer)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The layers a run builds. `te_spec`: TE's whole layer spec (its linears, norms and core attention);
+    `fused`: TE's fused core attention (no score matrices kept: what --print-plan's `flash` counts); `thd`: packed
+    rows run as TE's THD format, one sequence per sample (megatron's `PackedSeqParams`, data/packing.thd_params)."""
+
+    te_spec: bool
+    fused: bool
+    thd: bool
+
+
+def attention_choice(lora: bool, packing: bool, cp: int, te: bool) -> AttentionChoice:
+    """Without TE (CPU): megatron's local spec, packed rows through our core attention. With TE: LoRA keeps
+    megatron's own linears (its adapters wrap them) around TE's core attention, everything else takes TE's spec;
+    packed rows go to TE as THD (TE's cuDNN/flash varlen kernels, as Megatron-LM's `--packed-seq` datasets do).
+    At CP > 1 packing and LoRA stay on our core attention: TE's THD context parallelism splits each sequence into
+    2 x CP chunks (`thd_get_partitioned_indices`), our packed rows split the whole row (data/packing.py), and LoRA's
+    local spec has no CP attention of megatron's own."""
+    if not te or (cp > 1 and (packing or lora)):
+        return AttentionChoice(te_spec=False, fused=False, thd=False)
+    return AttentionChoice(te_spec=not lora, fused=True, thd=packing)

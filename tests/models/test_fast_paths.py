@@ -8,7 +8,14 @@ import types
 import pytest
 import torch
 
-from mgrpo.models.fast_paths import fusion_overrides, grouped_gemm, overlap_settings, recompute_overrides
+from mgrpo.models.fast_paths import (
+    AttentionChoice,
+    attention_choice,
+    fusion_overrides,
+    grouped_gemm,
+    overlap_settings,
+    recompute_overrides,
+)
 
 ALL = {"rope": True, "wgrad": True}
 
@@ -36,6 +43,27 @@ def test_fusions_are_on_only_with_cuda_and_each_only_where_its_kernel_is():
         grouped_gemm(None, True, True) and not grouped_gemm(None, True, False) and not grouped_gemm(None, False, True)
     )
     assert grouped_gemm(True, False, False) and not grouped_gemm(False, True, True)
+
+
+def test_attention_choice_and_the_plan_agree():
+    """TE's spec with TE present; LoRA keeps megatron's linears around TE's attention; packed rows go to TE as THD at
+    CP = 1, and stay on our core attention (local, score matrices kept) at CP > 1, as LoRA does; the plan counts the
+    attention the run builds (plan.built_attention reads the same choice)."""
+    from mgrpo.config import load_config
+    from mgrpo.plan import built_attention
+
+    assert attention_choice(False, False, 1, te=False) == AttentionChoice(False, False, False)
+    assert attention_choice(False, True, 1, te=False) == AttentionChoice(False, False, False)
+    assert attention_choice(False, False, 2, te=True) == AttentionChoice(True, True, False)
+    assert attention_choice(False, True, 1, te=True) == AttentionChoice(True, True, True)
+    assert attention_choice(True, True, 1, te=True) == AttentionChoice(False, True, True)
+    assert attention_choice(True, False, 1, te=True) == AttentionChoice(False, True, False)
+    assert attention_choice(False, True, 2, te=True) == AttentionChoice(False, False, False)
+    assert attention_choice(True, False, 2, te=True) == AttentionChoice(False, False, False)
+    cfg = load_config(argv=["--model.path", "m", "--data.path", "d"], check_files=False)
+    for lora, packing, cp, want in [(0, 1, 1, "flash"), (8, 1, 1, "flash"), (0, 1, 2, "local"), (8, 0, 2, "local")]:
+        cfg.model.lora.rank, cfg.train.sequence_packing, cfg.parallel.cp = lora, bool(packing), cp
+        assert built_attention(cfg) == want, (lora, packing, cp)
 
 
 def test_recompute_and_overlap_settings_reach_megatrons_config(tiny_model):
