@@ -10,7 +10,12 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
-[ -d .gpu_deps ] && export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
+# the wheels scripts/gpu_deps.sh made: unpacked (a wheel is a zip: no pip, no network) and first on PYTHONPATH
+for wheel in .gpu_deps/*.whl; do
+  [ -f "$wheel" ] || continue
+  "$PY" -m zipfile -e "$wheel" .gpu_deps/site || { echo "error: cannot unpack $wheel" >&2; exit 2; }
+done
+[ -d .gpu_deps/site ] && export PYTHONPATH="$PWD/.gpu_deps/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export GPU_CHECK_TIMEOUT_S=${GPU_CHECK_TIMEOUT_S:-300}  # gpu_checks.py fits its children inside it
 timeout --kill-after=10 "$GPU_CHECK_TIMEOUT_S" "$PY" tests/gpu/gpu_checks.py "$@"

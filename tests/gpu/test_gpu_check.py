@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh: on a CPU machine it exits 0 with its skip summary and `--require-cuda` exits 3 with one
 line; a dry rehearsal of the lent GPU machine runs every check's code at tiny shapes with megatron-core taken from
-the copy `scripts/gpu_deps.sh` makes and with what that machine lacks (datasets, vllm, matplotlib, tensorboard,
+the wheel `scripts/gpu_deps.sh` makes (unpacked as gpu_check.sh does) and with what that machine lacks (datasets, vllm, matplotlib, tensorboard,
 math_verify, peft) blocked from import; the bf16 judgement and the child-process reporting each have a negative
 control; on a CUDA machine the real script runs (marked gpu)."""
 
@@ -53,21 +53,25 @@ def test_require_cuda_without_cuda_is_one_line_and_nonzero():
 
 
 def test_dry_rehearsal_of_the_gpu_machine(tmp_path):
-    """Every check at tiny shapes, as the lent machine will import things: megatron-core from the copy
-    gpu_deps.sh makes (first on PYTHONPATH), the packages that machine lacks blocked (the training child too)."""
+    """Every check at tiny shapes, as the lent machine will import things: megatron-core from the wheel
+    gpu_deps.sh makes, unpacked (first on PYTHONPATH), the packages that machine lacks blocked (the training child too)."""
     deps, blocker = tmp_path / "deps", tmp_path / "blocker"
     made = run(["bash", "scripts/gpu_deps.sh", str(deps)], timeout=120)
     assert made.returncode == 0, made.stderr
-    assert (deps / "megatron" / "core" / "__init__.py").is_file()
+    (wheel,) = deps.glob("megatron_core-0.16.1-py3-none-any.whl")
+    site = deps / "site"  # what gpu_check.sh does with it there
+    unpacked = run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(site)], timeout=60)
+    assert unpacked.returncode == 0 and (site / "megatron" / "core" / "__init__.py").is_file(), unpacked.stderr
+    assert (site / "megatron_core-0.16.1.dist-info" / "RECORD").is_file()
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCKER)
-    env = dict(ENV, PYTHONPATH=f"{deps}{os.pathsep}{blocker}", GPU_CHECK_LOG_DIR=str(tmp_path / "logs"))
+    env = dict(ENV, PYTHONPATH=f"{site}{os.pathsep}{blocker}", GPU_CHECK_LOG_DIR=str(tmp_path / "logs"))
     probe = run([sys.executable, "-c", "import vllm"], env=env, timeout=60)
     assert probe.returncode != 0 and "No module named 'vllm'" in probe.stderr  # the block works
     proc = run([sys.executable, "tests/gpu/gpu_checks.py", "--tiny"], env=env, timeout=400)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"megatron-core 0.16.1 from {deps}" in proc.stdout.splitlines()[0]
+    assert f"megatron-core 0.16.1 from {site}" in proc.stdout.splitlines()[0]
     checks = [line for line in proc.stdout.splitlines() if line.startswith("check ")]
     assert [line.split()[1].rstrip(":") for line in checks] == CHECK_ORDER
     assert all(" PASS " in line for line in checks), checks
