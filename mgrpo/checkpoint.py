@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 
@@ -487,10 +488,14 @@ def load_checkpoint(model_chunks, ckpt_dir: str) -> dict:
 
 def pause_point(point: str, step: int) -> None:
     """Test hook (MGRPO_TEST_PAUSE=point:step): rank 0 writes MGRPO_TEST_PAUSE_MARKER and waits to be killed;
-    with MGRPO_TEST_MARK=point:step it writes the marker and goes on (a test then signals the run mid-phase)."""
+    with MGRPO_TEST_MARK=point:step it writes the marker and goes on (a test then signals the run mid-phase);
+    MGRPO_TEST_STOP=point:step:rank stops that rank there with SIGSTOP (a hung rank; torchrun's first attempt)."""
     if os.environ.get("MGRPO_TEST_MARK") == f"{point}:{step}" and dist.get_rank() == 0:
         with open(os.environ["MGRPO_TEST_PAUSE_MARKER"], "w") as f:
             f.write(f"{point}:{step}\n")
+    stop = os.environ.get("MGRPO_TEST_STOP", "")  # point:step:rank, first attempt only: that rank stops (SIGSTOP)
+    if stop == f"{point}:{step}:{dist.get_rank()}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if os.environ.get("MGRPO_TEST_PAUSE") == f"{point}:{step}" and dist.get_rank() == 0:
         with open(os.environ["MGRPO_TEST_PAUSE_MARKER"], "w") as f:
             f.write(f"{point}:{step}\n")

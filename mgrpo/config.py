@@ -242,6 +242,8 @@ class TrainConfig:
     use_distributed_optimizer: bool = False
     offload: str = "none"  # none | optimizer | optimizer+grads | all: to host memory while a colocated engine generates
     recompute: str = "none"  # none | selective (core attention) | full (every layer from its input): activations
+    step_timeout_s: Optional[float] = None  # a step past it: stacks to OUTPUT_DIR/hang, one line, exit 3; null =
+    # 1800 s until a step finishes, then 10 x the slowest step (>= 300 s); 0 = off (mgrpo/parallel/watchdog.py)
     overlap_grad_reduce: Optional[bool] = None  # null: on with the distributed optimizer on a GPU
     overlap_param_gather: Optional[bool] = None  # null: as overlap_grad_reduce (distributed optimizer only)
     seed: int = 1234
@@ -252,7 +254,8 @@ class CheckpointConfig:
     save_dir: str = ""  # step_XXXXXX folders with the whole training state, and `latest`; see mgrpo/checkpoint.py
     save_interval: int = 0  # every N steps and at the end; 0 = never
     keep_last: int = 0  # keep the newest N checkpoints (pruned only after a new one is complete); 0 = keep all
-    resume: str = ""  # "" = fresh run; "latest" (the --resume flag) = SAVE_DIR/latest; or a step_XXXXXX folder
+    resume: str = ""  # "" = fresh run; "latest" (the --resume flag) = SAVE_DIR/latest; "auto" = latest if a
+    # checkpoint exists, else a fresh run (torchrun --max-restarts, verl's resume_mode auto); or a step_XXXXXX folder
     export_hf_at_end: bool = False  # also write SAVE_DIR/hf_step_XXXXXX (the converter's HF folder) for the last step
     async_save: bool = False  # megatron's asynchronous save: shards are written while the next steps run
     # the distributed optimizer's state: false = each rank writes its own shard (megatron's dp_reshardable; resume

@@ -192,9 +192,9 @@ def check_checkpoint(c) -> list:
             "give a folder for the checkpoints"
         )
     e += folder_problem("checkpoint.save_dir", c.save_dir)
-    if c.resume == "latest" and not c.save_dir:
+    if c.resume in ("latest", "auto") and not c.save_dir:
         e.append(
-            "--resume (latest) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
+            f"--resume ({c.resume}) needs checkpoint.save_dir, the folder that holds `latest`; or give the "
             "checkpoint: --resume SAVE_DIR/step_XXXXXX"
         )
     return e
@@ -506,6 +506,8 @@ def fast_path_problems(cfg) -> list:
     t, e = cfg.train, []
     if cfg.model.fusions not in FUSIONS:
         e.append(f"model.fusions={cfg.model.fusions!r}; use auto (fused kernels on a GPU) or off")
+    if t.step_timeout_s is not None and not t.step_timeout_s >= 0:
+        e.append(f"train.step_timeout_s={t.step_timeout_s}; use seconds > 0, 0 for no step watchdog, or null (auto)")
     if t.recompute not in RECOMPUTE:
         e.append(f"train.recompute={t.recompute!r}; use none, selective (core attention) or full (whole layers)")
     if t.overlap_param_gather and not t.use_distributed_optimizer:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from mgrpo.parallel.watchdog import where
+
 MB = 1 << 20
 
 
@@ -57,6 +59,7 @@ class StepTimer:
 
         class _Span:
             def __enter__(self):
+                where(phase)  # the step watchdog's heartbeat names it
                 self.t0 = time.perf_counter()
 
             def __exit__(self, *exc):

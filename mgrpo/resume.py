@@ -16,7 +16,7 @@ import os
 
 import yaml
 
-from mgrpo.checkpoint import CheckpointFolderError, read_meta, resolve
+from mgrpo.checkpoint import CheckpointFolderError, complete_checkpoints, read_meta, resolve
 
 FIXED = (
     "model.params_dtype",
@@ -114,6 +114,12 @@ def check_resume(cfg) -> list:
     from mgrpo.config import to_dict
 
     c = cfg.checkpoint
+    if c.resume == "auto":  # verl's resume_mode auto: the newest checkpoint if there is one, else a fresh run
+        if not (c.save_dir and complete_checkpoints(c.save_dir)):
+            c.resume = ""
+            cfg.logging.overwrite = True  # a torchrun restart before the first save replaces its own logs
+            return [f"mgrpo: --resume auto: no checkpoint in checkpoint.save_dir={c.save_dir} yet: a fresh run"]
+        c.resume = "latest"
     try:
         path = resolve(c.resume, c.save_dir)
         meta = read_meta(path)

@@ -8,6 +8,8 @@ samples reach every rank as JSON bytes, and each replica exports its weights to 
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from mgrpo.actor import Actor, reference_policy
@@ -21,6 +23,7 @@ from mgrpo.loss.kl import penalize_rewards
 from mgrpo.metrics import step_clock, step_metrics
 from mgrpo.parallel.distributed import init_distributed
 from mgrpo.parallel.state import setup_model_parallel
+from mgrpo.parallel.watchdog import start_watchdog
 from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
 from mgrpo.rollout.colocate import ColocatedMemory
@@ -43,9 +46,10 @@ class GRPOTrainer:
     def __init__(self, cfg, data: tuple | None = None):
         """`data`: (training, held-out) PromptSets already loaded by the launcher, or None to load them here."""
         self.cfg = cfg
-        init_distributed()
+        init_distributed(hang_dir=os.path.join(cfg.logging.output_dir, "hang"))
         setup_model_parallel(cfg.parallel, cfg.train.seed)
         self.rank = dist.get_rank()
+        self.watchdog = start_watchdog(cfg.logging.output_dir, cfg.train.step_timeout_s)  # no silent hangs
         self.dp = dist.get_world_size() // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_set, val_set = data or load_run_data(cfg, self.tokenizer)
@@ -82,6 +86,10 @@ class GRPOTrainer:
         if not self.cfg.checkpoint.resume:
             return None
         notes = check_resume(self.cfg)  # the launcher checked already; a trainer built in-process checks here
+        if not self.cfg.checkpoint.resume:  # --resume auto before any save
+            if self.rank == 0:
+                print("\n".join(notes), flush=True)
+            return None
         common = load_training_state(self.actor, self.cfg.checkpoint.resume, self.cfg)
         self.actor.load_train_state(common["actor"])
         self.prompts.load_state_dict(common["prompts"])
@@ -197,7 +205,8 @@ class GRPOTrainer:
             if self.validator and self.cfg.eval.before_train and not self.start_step:  # on the initial weights
                 log.log_before_training(self.validator.run(-1, self.version))
             for step in range(self.start_step, self.cfg.train.steps):
-                metrics = self.step(step)
+                with self.watchdog.step(step):
+                    metrics = self.step(step)
                 history.append(metrics)
                 log.log(step, metrics)
             self.memory.restore_trainer()  # the HF export reads the weights
@@ -210,6 +219,6 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """An async save in flight is finished; engines (and their processes and buffers) end with the run."""
-        for part in (self.saver, self.producer, self.weight_sync, self.engine):
+        for part in (self.watchdog, self.saver, self.producer, self.weight_sync, self.engine):
             if hasattr(part, "close"):
                 part.close()

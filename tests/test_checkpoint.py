@@ -76,6 +76,9 @@ def launch(
     output: str | None = None,
     expect_rc: int = 0,
     launcher: str = LAUNCHER,
+    torchrun: tuple = (),
+    env: dict | None = None,
+    watch=None,
 ):
     """One run of the launcher (torchrun when nproc > 1) into root/name (output dir) and root/name-ckpt.
     With `pause` ("train:4" or "save:6") the run is SIGKILLed, whole process group, once the hook holds it there."""
@@ -91,6 +94,7 @@ def launch(
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}",
+            *torchrun,
         ]
     )
     cmd = prefix + [
@@ -108,7 +112,17 @@ def launch(
     marker = str(root / f"{name}.paused")
     if os.path.exists(marker):
         os.remove(marker)
-    env = _env(MGRPO_TEST_PAUSE=pause, MGRPO_TEST_PAUSE_MARKER=marker) if pause else _env()
+    env = _env(MGRPO_TEST_PAUSE=pause, MGRPO_TEST_PAUSE_MARKER=marker, **(env or {})) if pause else _env(**(env or {}))
+    if watch is not None:  # watch() is called until it returns True, then the run goes on to its end
+        with open(root / f"{name}.out", "w") as out_f, open(root / f"{name}.err", "w") as err_f:
+            proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, cwd=ROOT, env=env)
+            deadline = time.time() + 600
+            while proc.poll() is None and not watch() and time.time() < deadline:
+                time.sleep(0.2)
+            proc.wait(timeout=max(1, deadline - time.time()))
+        r = subprocess.CompletedProcess(cmd, proc.returncode, open(out_f.name).read(), open(err_f.name).read())
+        assert r.returncode == expect_rc, r.stderr[-4000:]
+        return r
     if pause is None:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
         assert r.returncode == expect_rc, r.stderr[-4000:]
@@ -232,7 +246,13 @@ def test_dp2_distributed_optimizer_with_async_save_resumes_exactly(runs):
     continued at DP1; a TP change is refused in one line before anything starts. Allocating a per-parameter `step`
     before the load (what checkpoint.py did) fails the resume with KeyError: 'step' (measured once: raised by the
     state-key table TE's FusedAdam keeps; megatron's `_set_main_param_and_optimizer_states` would raise the same).
-    torch's Adam with the distributed optimizer resumes in test_tp2_pp2_resumes_exactly_and_at_tp1."""
+    torch's Adam with the distributed optimizer resumes in test_tp2_pp2_resumes_exactly_and_at_tp1.
+
+    The resumed run is a hang and a restart (issue 54): under torchrun --max-restarts 1 with --resume auto, rank 1
+    stops (SIGSTOP) in step 5; rank 0's step watchdog (train.step_timeout_s 8) writes its stacks, prints one line
+    naming rank 1 and exits 3; torchrun ends rank 1 and restarts both; the second attempt resumes from the step-3
+    checkpoint (written synchronously; the async-written one loads at DP1 below) and equals the uninterrupted run
+    bitwise. Data lost: steps 3-4, trained again."""
     te = os.path.join(ROOT, "tests", "te_adam_run.py")
     dp = ["--train.use_distributed_optimizer", "true", "--checkpoint.async_save", "true"]
     r = launch(runs, "dp2", *dp, nproc=2, launcher=te)
@@ -240,9 +260,40 @@ def test_dp2_distributed_optimizer_with_async_save_resumes_exactly(runs):
     ckpt = str(runs / "dp2-ckpt" / "step_000003")
     meta = json.load(open(os.path.join(ckpt, "mgrpo_meta.json")))
     assert meta["layout"]["optimizer_format"] == "dp_reshardable" and len(meta["save_peak_host_mib"]) == 2
-    r = resume_copy(runs, "dp2", "dp2_resumed", ckpt, *dp, nproc=2, launcher=te)
-    assert "TELayoutAdam steps: 6" in r.stderr
-    assert_same_run(runs / "dp2", runs / "dp2_resumed", runs / "dp2-ckpt", runs / "dp2_resumed-ckpt")
+    limit, started = 8, time.monotonic()
+    summary = runs / "dp2_restarted" / "hang" / "summary.txt"
+
+    def kill_the_stopped_rank() -> bool:
+        """A stopped process ignores torchrun's SIGTERM until its 30 s grace ends: end it as a node failure would."""
+        if not summary.is_file() or " pid " not in summary.read_text():
+            return False
+        os.kill(int(summary.read_text().split(" pid ")[1].split(")")[0]), signal.SIGKILL)
+        return True
+
+    r = launch(
+        runs,
+        "dp2_restarted",
+        *dp[:2],  # saved synchronously: an async save of step 3 may not be final when rank 1 stops in step 5
+        "--resume",
+        "auto",
+        "--train.step_timeout_s",
+        str(limit),
+        nproc=2,
+        launcher=te,
+        torchrun=("--max-restarts=1",),
+        env=dict(MGRPO_TEST_STOP="train:5:1"),
+        watch=kill_the_stopped_rank,
+    )
+    hang = [line for line in r.stderr.splitlines() if "hang: step 5 ran past" in line]
+    print(f"\n{hang[0] if hang else r.stderr[-3000:]}\nwhole torchrun: {time.monotonic() - started:.1f} s")
+    assert len(hang) == 1 and "rank 1 (" in hang[0] and "silent for" in hang[0] and "last in 'train'" in hang[0]
+    elapsed = float(hang[0].split(f"train.step_timeout_s={limit} s (")[1].split(" s)")[0])
+    assert limit <= elapsed <= limit + 3 * limit / 6 + 2, elapsed
+    assert (runs / "dp2_restarted" / "hang" / "rank_0.txt").is_file()
+    assert "mgrpo: --resume auto: no checkpoint" in r.stdout  # the first attempt
+    assert "resuming from" in r.stdout and "step_000003 (step 3" in r.stdout  # the second
+    assert "TELayoutAdam steps: 6" in r.stderr  # the second attempt's 3 steps
+    assert_same_run(runs / "dp2", runs / "dp2_restarted", runs / "dp2-ckpt", runs / "dp2_restarted-ckpt")
     launch(runs, "dp1_from_dp2", "--resume", ckpt, *dp, launcher=te)
     ref, got = rows(runs / "dp2" / "metrics.jsonl")[3], rows(runs / "dp1_from_dp2" / "metrics.jsonl")
     assert [g["step"] for g in got] == [3, 4, 5] and abs(got[0]["actor/loss"] - ref["actor/loss"]) < 1e-5

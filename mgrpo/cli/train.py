@@ -119,7 +119,9 @@ def check(argv: list):
     if cfg.checkpoint.resume:  # a complete checkpoint of this model, and a run that may continue it
         from mgrpo.resume import check_resume
 
-        check_resume(cfg)
+        notes = check_resume(cfg)
+        if not cfg.checkpoint.resume and denv.rank == 0:  # --resume auto with nothing saved yet
+            print("\n".join(notes), flush=True)
     data = load_run_data(cfg, load_tokenizer(cfg.model.path), progress=denv.rank == 0)
     return cfg, denv, data
 

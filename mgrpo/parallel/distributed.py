@@ -68,8 +68,22 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> DistEnv:
-    """Initialise the default process group once; returns the environment it used."""
+def restart_store(denv: DistEnv, timeout):
+    """The rendezvous store of a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0), keyed by the attempt; None
+    otherwise (torch's own env:// store). torchrun's static rendezvous (`--nproc-per-node N`, `--master-port`) keeps
+    one agent store across restarts and its workers join it without a per-attempt prefix (torch 2.13
+    `rendezvous._create_c10d_store`), so a restarted rank reads its peers' gloo/NCCL addresses from the failed
+    attempt and its connect is refused (measured: `Gloo connectFullMesh failed ... Connection refused`)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(denv.master_addr, denv.master_port, denv.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/mgrpo/attempt_{attempt}", client)
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30, hang_dir: str | None = None) -> DistEnv:
+    """Initialise the default process group once; returns the environment it used. `hang_dir`: with NCCL, torch's
+    flight recorder dumps there on a collective timeout (parallel/watchdog.nccl_diagnostics_env)."""
     denv = read_dist_env()
     if dist.is_initialized():
         return denv
@@ -81,6 +95,11 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
 
         index = local_device_index(denv.local_rank, visible_devices(device_count=torch.cuda.device_count()))
         torch.cuda.set_device(index)
+        if hang_dir:
+            from mgrpo.parallel.watchdog import nccl_diagnostics_env
+
+            os.makedirs(hang_dir, exist_ok=True)
+            os.environ.update(nccl_diagnostics_env(hang_dir, os.environ))
     else:
         from mgrpo.parallel.cpu_shims import apply_cpu_shims
 
@@ -96,7 +115,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
 
     # a single process needs no rendezvous: an in-memory store, so no port can be taken between free_port() and
     # the bind (a vLLM server starting beside it grabs ports too); several ranks meet on MASTER_ADDR:MASTER_PORT
-    store = dist.HashStore() if denv.launcher == "single" else None
+    store = dist.HashStore() if denv.launcher == "single" else restart_store(denv, timedelta(minutes=timeout_minutes))
     dist.init_process_group(
         backend=backend,
         rank=denv.rank,
