@@ -9,6 +9,7 @@ samples reach every rank as JSON bytes, and each replica exports its weights to 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ from mgrpo.profiling import StepTimer
 from mgrpo.resume import check_resume
 from mgrpo.rollout.colocate import ColocatedMemory
 from mgrpo.rollout.manager import (
+    RolloutError,
     RolloutManager,
     adapter_sync,
     engine_owners,
@@ -130,7 +132,7 @@ class GRPOTrainer:
             warn=self.rank == 0,
             overlong_filter=a.overlong_filter,
         )
-        return samples, counts.metrics()
+        return samples, {**counts.metrics(), **self.rollout.fault_metrics()}
 
     def sync_weights(self) -> int | None:
         """Every DP replica that has an engine exports to it (views, one copy into the engine); returns the bytes
@@ -212,6 +214,11 @@ class GRPOTrainer:
             self.memory.restore_trainer()  # the HF export reads the weights
             self.saver.close()  # an async save finishes before the run ends
             self.saver.export_hf(self.actor, self.cfg.train.steps)
+        except RolloutError as exc:  # said before the engines close: torchrun may end this rank meanwhile
+            if self.rank == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            exc.reported = True
+            raise
         finally:
             log.close()
             self.close()

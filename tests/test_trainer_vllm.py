@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 
 
-def _launch(tmp_path, name, nproc, config, *extra, steps: int = STEPS):
+def _launch(tmp_path, name, nproc, config, *extra, steps: int = STEPS, env_extra: dict | None = None):
     from mgrpo.parallel.distributed import free_port
 
     env = {
@@ -23,6 +23,7 @@ def _launch(tmp_path, name, nproc, config, *extra, steps: int = STEPS):
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
+    env.update(env_extra or {})
     out = tmp_path / name
     cmd = [
         sys.executable,
@@ -50,6 +51,7 @@ def _launch(tmp_path, name, nproc, config, *extra, steps: int = STEPS):
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     engines = [json.load(open(f)) for f in glob.glob(str(out / "engines" / "vllm-*.json"))]
+    _launch.stdout = r.stdout
     return rows, engines
 
 
@@ -91,7 +93,12 @@ def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group_asleep_while_t
     """Also the colocated turns (rollout/colocate.py): each engine sleeps (level 1) after its rollout, wakes its
     weights for the push, then its KV cache; each trainer rank parks its optimizer, gradients and parameters
     on the host while the engines generate. The run still learns and the engines still sample with exactly the
-    trainer's weights."""
+    trainer's weights.
+
+    And an engine that dies (issue 54): rank 1's engine kills its own process group (SIGKILL: the engine core
+    too) on its 4th generate call, mid-request (step 3). Its 32 requests go to engine 0 with their own seeds, the
+    engine restarts in place, waits out the step, takes the full push and serves from step 4 on; the run finishes
+    every step, and the engines' logprobs equal the trainer's at every step, the restarted engine's included."""
     rows, engines = _launch(
         tmp_path,
         "dp2",
@@ -99,8 +106,14 @@ def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group_asleep_while_t
         "tiny_cpu.yaml",
         *("--rollout.engine", "vllm", "--rollout.engine_placement", "per_dp"),
         *("--rollout.vllm.sleep_level", "1", "--train.offload", "all"),
+        env_extra={"MGRPO_TEST_ENGINE_DIE": "1:4"},
     )
-    assert all((r["rollout/requests/vllm#0"], r["rollout/requests/vllm#1"]) == (32, 32) for r in rows)
+    served = [(r.get("rollout/requests/vllm#0", 0), r.get("rollout/requests/vllm#1", 0)) for r in rows]
+    faults = [(r["rollout/engines_up"], r["rollout/reissued_requests"], r["rollout/engine_restarts"]) for r in rows]
+    print(f"engine died at step 3: served {served[2:6]}; (up, reissued, restarts) {faults[2:6]}")
+    assert served == [(32, 32)] * 3 + [(64, 0)] + [(32, 32)] * (len(rows) - 4)
+    assert faults == [(2, 0, 0)] * 3 + [(1, 32, 1)] + [(2, 0, 1)] * (len(rows) - 4)
+    assert "engine vllm#1 died (step 3: RpcError" in _launch.stdout and "its 4 prompts go to" in _launch.stdout
     _check(rows, engines, 2)
     assert all(r["memory/offloaded_params_gb"] > 0 and r["memory/offloaded_optimizer_gb"] > 0 for r in rows)
     for e in engines:

@@ -190,7 +190,7 @@ def train(cfg, denv, data) -> int:
     try:
         history = trainer.fit()
     except RolloutError as exc:  # an engine timed out, failed or refused a weight update: all ranks stop
-        if denv.rank == 0:
+        if denv.rank == 0 and not getattr(exc, "reported", False):
             print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C (mgrpo/stopping.py): fit() closed the logs, the saver and the engines

@@ -71,6 +71,15 @@ class RolloutManager:
     def __init__(self, cfg, tokenizer, owners: dict, engine=None, engine_index: int = 0):
         self.cfg, self.tokenizer, self.engine, self.index = cfg, tokenizer, engine, engine_index
         self.owners = list(owners.values())
+        self.asked: dict = {}  # (step, round, tag) -> (rows, sampling, n) of a share in flight (owners): a reissue
+        self.faults = {"engines_up": len(self.owners), "reissued_requests": 0, "engine_restarts": 0}
+
+    def fault_metrics(self) -> dict:
+        """rollout/engines_up (engines that served the last share), rollout/reissued_requests (since the last call),
+        rollout/engine_restarts (in the run): the same on every rank."""
+        out = {f"rollout/{k}": v for k, v in self.faults.items()}
+        self.faults["reissued_requests"] = 0
+        return out
 
     def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -137,10 +146,12 @@ class RolloutManager:
         sampling: SamplingParams | None = None,
         n: int | None = None,
         tag: str = "",
+        indices=None,
     ) -> list:
-        """This engine's share of `rows` as Samples, n per prompt. Round r of a step (dynamic sampling draws
-        several) numbers its prompts from r x len(rows): group ids and sampling seeds never repeat."""
-        mine = shares(len(rows), len(self.owners))[self.index]
+        """This engine's share of `rows` as Samples, n per prompt (`indices`: these prompts instead, a reissue).
+        Round r of a step (dynamic sampling draws several) numbers its prompts from r x len(rows): group ids and
+        sampling seeds never repeat, and a reissued prompt keeps its seeds."""
+        mine = shares(len(rows), len(self.owners))[self.index] if indices is None else list(indices)
         n = n or self.cfg.rollout.n
         first = round_ * len(rows)
         first_group = step * self.rounds_per_step() * len(rows) + first
@@ -203,26 +214,80 @@ class RolloutManager:
     ) -> dict:
         """This owner's share of `rows`, generated and scored, as a JSON-safe payload (no collective: a background
         producer may run it; ranks without an engine return an empty one)."""
-        from mgrpo.rewards.registry import score
-
         if self.engine is None:
             return {"samples": []}
+        key = [step, round_, tag]
+        self.asked[tuple(key)] = (rows, sampling, n)
+        mine = shares(len(rows), len(self.owners))[self.index]
+        if getattr(self.engine, "awaiting_push", False):  # restarted: it holds the model folder's weights
+            line = f"engine {self.engine.name} waits for a weight push after its restart"
+            return {"down": line, "key": key, "indices": list(mine), "samples": []}
         try:
-            samples = self.generate_share(rows, step, round_, sampling, n, tag)
-            r = self.cfg.reward
-            score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
-            fail_aborted(samples)  # trajectories that raised train nothing
-            return {"samples": [sample_dict(s) for s in samples]}
+            return {"samples": self._scored(rows, step, round_, sampling, n, tag), "key": key}
         except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
-            return {"error": f"step {step}: {type(exc).__name__}: {exc}"}
+            error = f"step {step}: {type(exc).__name__}: {exc}"
+            if getattr(self.engine, "alive", lambda: True)():
+                return {"error": error, "key": key}
+            return self._engine_died(error, key, mine)
+
+    def _engine_died(self, error: str, key: list, indices) -> dict:
+        """This owner's engine process is gone: restart it (it serves again only after the next full weight push:
+        until then it holds the model folder's weights) and hand its share to the engines that are up."""
+        line = f"engine {self.engine.name} died ({error}); its {len(indices)} prompts go to the engines that are up"
+        print(f"mgrpo: warning: {line}", flush=True)
+        try:
+            self.engine.restart()
+        except Exception as exc:  # noqa: BLE001  (the step goes on without it; the next share fails on this rank)
+            print(f"mgrpo: warning: engine {self.engine.name} did not restart: {type(exc).__name__}: {exc}", flush=True)
+        return {"down": line, "key": key, "indices": list(indices), "samples": [], "restarted": True}
 
     def share(self, payload: dict) -> list:
-        """Every owner's payload to every rank (a collective): all samples sorted by group, or the first error."""
+        """Every owner's payload to every rank (a collective): all samples sorted by group, or the first error. An
+        owner whose engine died: its prompts are generated again, with their own seeds, by the engines that are
+        up (a second collective); every engine down fails the step in one line."""
         gathered = share_json(payload, self.owners)
         errors = [p["error"] for p in gathered if "error" in p]
         if errors:
             raise RolloutError(errors[0])
+        down = [k for k, p in enumerate(gathered) if "down" in p]
+        self.faults["engines_up"] = len(gathered) - len(down)
+        if down:
+            self.faults["engine_restarts"] += sum(bool(gathered[k].get("restarted")) for k in down)
+            if len(down) == len(gathered):
+                raise RolloutError(f"every rollout engine is down: {'; '.join(gathered[k]['down'] for k in down)}")
+            gathered = [p for p in gathered if "down" not in p] + self._reissue(gathered, down)
+        self.asked.pop(tuple(payload.get("key", ())), None)
         return sorted((Sample(**d) for p in gathered for d in p["samples"]), key=lambda s: s.group_id)
+
+    def _scored(self, rows, step, round_, sampling, n, tag, indices=None) -> list:
+        """This engine's samples of `rows` (its share, or `indices`), scored, as JSON-safe dicts."""
+        from mgrpo.rewards.registry import score
+
+        samples = self.generate_share(rows, step, round_, sampling, n, tag, indices)
+        r = self.cfg.reward
+        score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
+        fail_aborted(samples)  # trajectories that raised train nothing
+        return [sample_dict(s) for s in samples]
+
+    def _reissue(self, gathered: list, down: list) -> list:
+        """The prompts of the engines that died, split over the engines that are up, generated and shared."""
+        failed = sorted(i for k in down for i in gathered[k]["indices"])
+        up = [k for k in range(len(gathered)) if k not in down]
+        key = tuple(gathered[down[0]]["key"])
+        payload = {"samples": []}
+        if self.index in up and self.engine is not None:
+            mine = [failed[i] for i in shares(len(failed), len(up))[up.index(self.index)]]
+            rows, sampling, n = self.asked[key]
+            try:
+                payload = {"samples": self._scored(rows, key[0], key[1], sampling, n, key[2], indices=mine)}
+            except Exception as exc:  # noqa: BLE001
+                payload = {"error": f"step {key[0]}: reissued prompts: {type(exc).__name__}: {exc}"}
+        again = share_json(payload, self.owners)
+        errors = [p["error"] for p in again if "error" in p]
+        if errors:
+            raise RolloutError(errors[0])
+        self.faults["reissued_requests"] += sum(len(p["samples"]) for p in again)
+        return again
 
 
 def prompt_ids(tokenizer, row: dict, apply_chat_template: bool = True) -> list:

@@ -97,7 +97,7 @@ class RolloutProducer:
             "async/staleness_max": max(stale, default=0),
         }
         self.idle = 0.0
-        return samples, metrics if self.threaded else {}
+        return samples, {**(metrics if self.threaded else {}), **self.manager.fault_metrics()}
 
     def _fresh(self, samples: list, version: int) -> tuple:
         """Samples whose group is within the staleness bound, how many were dropped, and the kept ones' staleness."""

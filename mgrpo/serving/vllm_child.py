@@ -102,6 +102,9 @@ class EngineServer:
         self.phases: list = []  # the last sleep/wake/update calls, in order (health reports them)
 
     async def generate(self, requests: list, sampling: dict, eos: int | None) -> list:
+        self.generate_calls = getattr(self, "generate_calls", 0) + 1
+        if self.generate_calls == self.spec.get("die_on_generate"):  # test hook: the engine dies mid-request
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         async with self.gate:
             await self.gate.wait_for(lambda: not self.updating)
             self.inflight += 1

@@ -12,6 +12,7 @@ watchdog in the child for crashes and kills.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import json
 import os
@@ -49,6 +50,13 @@ _TORCHRUN_VARS = (
     "SLURM_NTASKS",
     "SLURM_LOCALID",
 )
+
+
+def _test_die_on_generate() -> int:
+    """Test hook (MGRPO_TEST_ENGINE_DIE=rank:n): the engine of that trainer rank kills its own process group on its
+    n-th generate call (the first process only; a restarted engine lives)."""
+    rank, _, n = os.environ.get("MGRPO_TEST_ENGINE_DIE", "").partition(":")
+    return int(n) if n and rank == os.environ.get("RANK", "0") else 0
 
 
 class EngineStartError(RuntimeError):
@@ -135,19 +143,46 @@ class VLLMEngine:
             lora_rank=lora_rank,
             sleep_level=sleep_level,
         )  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
+        self._spec, self._env = spec, _child_env(kv_cache_gb, routed_experts, self.devices)
+        self.start_timeout_s, self.restarts = start_timeout_s, 0
+        self.awaiting_push = False  # restarted, not yet given the current weights: it must not serve
+        self._spawn(dict(spec, die_on_generate=_test_die_on_generate()))
+        atexit.register(self.close)
+        self._wait_ready(start_timeout_s)
+
+    def _spawn(self, spec: dict) -> None:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mgrpo.serving.vllm_child"],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=_child_env(kv_cache_gb, routed_experts, self.devices),
+            env=self._env,
             start_new_session=True,
         )
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         self.proc.stdin.close()
-        atexit.register(self.close)
-        self._wait_ready(start_timeout_s)
+
+    def alive(self, grace_s: float = 3.0) -> bool:
+        """The engine process runs (a request that failed on a dead engine is reissued: rollout/manager.py). A
+        process that just died closes its socket before it can be reaped: wait up to `grace_s` for its exit."""
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
+    def restart(self) -> None:
+        """A new engine process in place of a dead one: the same socket, token and shared-buffer names, so the
+        weight transport goes on unchanged. It starts from the model folder's weights: the next push (every push
+        sends every weight) brings it to the current version before it serves again."""
+        self._stop_process()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        self.restarts += 1
+        self.awaiting_push = True
+        self._spawn(self._spec)
+        self._wait_ready(self.start_timeout_s)
 
     @property
     def pid(self) -> int:
@@ -219,7 +254,9 @@ class VLLMEngine:
 
     def load_adapter(self, path: str, version: int) -> dict:
         """LoRA adapter-only sync: the engine serves the base with the PEFT folder at `path` from now on."""
-        return self.call("load_adapter", timeout=self.update_timeout_s, folder=os.path.abspath(path), version=version)
+        out = self.call("load_adapter", timeout=self.update_timeout_s, folder=os.path.abspath(path), version=version)
+        self.awaiting_push = False
+        return out
 
     def health(self) -> dict:
         return dict(self.call("health", timeout=30), engine=self.name)
@@ -230,6 +267,18 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop the engine process and its engine core; idempotent. Polite first, then the whole group."""
+        self._stop_process()
+        if getattr(self, "dir", None):
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "token", None):  # shared buffers of transports that were never closed
+            for path in glob.glob(os.path.join(SHM_DIR, f"{buffer_prefix(os.getpid(), self.token)}-*")):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        atexit.unregister(self.close)
+
+    def _stop_process(self) -> None:
         proc = getattr(self, "proc", None)
         if proc is not None:
             if proc.poll() is None:
@@ -246,15 +295,6 @@ class VLLMEngine:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
-        if getattr(self, "dir", None):
-            shutil.rmtree(self.dir, ignore_errors=True)
-        if getattr(self, "token", None):  # shared buffers of transports that were never closed
-            for path in glob.glob(os.path.join(SHM_DIR, f"{buffer_prefix(os.getpid(), self.token)}-*")):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        atexit.unregister(self.close)
 
 
 @register_engine("vllm")

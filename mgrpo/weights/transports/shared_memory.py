@@ -160,6 +160,8 @@ class SharedMemoryTransport(StreamSync):
             pass
         if not reply.get("ok"):
             raise WeightSyncError(f"engine {self.engine.name}: {reply.get('error') or result.get('error')}")
+        if getattr(self.engine, "awaiting_push", False):
+            self.engine.awaiting_push = False  # a restarted engine holds the current weights: it serves again
         receipt = dict(reply["result"], **stats, send_total_s=time.perf_counter() - t0)
         # this transport's own time: until the engine holds every bucket, checked, and vLLM's load step begins
         receipt["to_load_s"] = receipt.pop("staged_at") - wall0
