@@ -98,9 +98,9 @@ class CollectiveTransport(PerStageSync):
         for r in targets:
             if r.name not in plan:
                 continue
-            why = broken.get(r.name)
-            try:
-                receipt = requests[r.name].result() if r.name in requests else None
+            why, receipt = broken.get(r.name), None
+            try:  # a broken broadcast is this server's answer: its HTTP reply is not waited for (a hung host)
+                receipt = requests[r.name].result() if r.name in requests and not why else None
             except Exception as exc:  # noqa: BLE001
                 why = why or str(exc)
             if why or receipt is None:
