@@ -219,6 +219,11 @@ class GRPOTrainer:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             exc.reported = True
             raise
+        except RuntimeError:  # a collective broke: name a peer whose process is gone (parallel/watchdog.py)
+            line = self.watchdog.gone_peers()
+            if line:
+                print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+            raise
         finally:
             log.close()
             self.close()

@@ -150,6 +150,23 @@ class StepWatchdog:
         out[self.rank] = dict(rank=self.rank, host=self.host, pid=self.pid, phase=_NOW["phase"], time=time.time())
         return out
 
+    def gone_peers(self) -> str:
+        """After a collective raised (a peer's connection closed): the ranks whose process is gone, by their last
+        heartbeat's pid where it ran on this host, else the ranks silent for 3 intervals; one line."""
+        now, gone, silent = time.time(), [], []
+        for r, beat in sorted(self.heartbeats().items()):
+            if r == self.rank or beat is None:
+                continue
+            if beat["host"] == self.host and not _pid_alive(beat["pid"]):
+                gone.append(f"rank {r} (pid {beat['pid']}, last in {beat['phase']!r})")
+            elif now - beat["time"] > 3 * self.heartbeat_s:
+                silent.append(f"rank {r} ({beat['host']}, silent for {now - beat['time']:.0f} s)")
+        if not gone and not silent:
+            return ""
+        return f"collective failed in step {self.step_no}, phase {_NOW['phase']!r}: " + "; ".join(
+            ([f"process gone: {', '.join(gone)}"] if gone else []) + ([", ".join(silent)] if silent else [])
+        )
+
     def report(self, elapsed: float) -> str:
         now, silent_after = time.time(), 3 * self.heartbeat_s
         silent, waiting = [], []
@@ -168,6 +185,21 @@ class StepWatchdog:
             f"hang: step {self.step_no} ran past train.step_timeout_s={self.limit():g} s ({elapsed:.0f} s): {who}; "
             f"answering: {', '.join(waiting) or 'none'}; stacks in {self.hang_dir}/rank_N.txt"
         )
+
+
+def _pid_alive(pid: int) -> bool:
+    """The process runs: it exists and is not a zombie (killed, not yet reaped by its launcher)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def heartbeat_store(timeout_s: float = 30.0):

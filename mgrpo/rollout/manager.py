@@ -13,6 +13,7 @@ engine.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 import torch.distributed as dist
@@ -236,7 +237,9 @@ class RolloutManager:
         line = f"engine {self.engine.name} died ({error}); its {len(indices)} prompts go to the engines that are up"
         print(f"mgrpo: warning: {line}", flush=True)
         try:
+            started = time.perf_counter()
             self.engine.restart()
+            print(f"mgrpo: engine {self.engine.name} restarted in {time.perf_counter() - started:.1f} s", flush=True)
         except Exception as exc:  # noqa: BLE001  (the step goes on without it; the next share fails on this rank)
             print(f"mgrpo: warning: engine {self.engine.name} did not restart: {type(exc).__name__}: {exc}", flush=True)
         return {"down": line, "key": key, "indices": list(indices), "samples": [], "restarted": True}

@@ -19,25 +19,29 @@ import os, signal, sys, time
 import torch, torch.distributed as dist
 from mgrpo.parallel.watchdog import StepWatchdog, heartbeat_store, where
 
-rank, out, limit = int(os.environ["RANK"]), sys.argv[1], float(sys.argv[2])
+rank, out, limit, fault = int(os.environ["RANK"]), sys.argv[1], float(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", rank=rank, world_size=2)
 dog = StepWatchdog(out, rank, 2, timeout_s=limit, heartbeat_s=0.5, store=heartbeat_store())
 for step in range(2):
     with dog.step(step):
         where("train")
         time.sleep(0.8)  # heartbeats of this phase reach the store
-        if step == 1 and rank == 1 and limit < 60:
+        if step == 1 and rank == 1 and fault != "none":
             print(f"stopping {os.getpid()}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
         where("sync")
         t = torch.ones(1)
-        dist.all_reduce(t)
+        try:
+            dist.all_reduce(t)
+        except RuntimeError:  # what the trainer does (trainer.fit)
+            print(f"error: rank {rank}: {dog.gone_peers()}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
 dog.close()
 print(f"rank {rank} done {float(t)}", flush=True)
 """
 
 
-def _launch(tmp_path, limit: float):
+def _launch(tmp_path, limit: float, fault: str):
     from mgrpo.parallel.distributed import free_port
 
     script = tmp_path / "worker.py"
@@ -49,7 +53,7 @@ def _launch(tmp_path, limit: float):
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / "out"), str(limit)],
+                [sys.executable, str(script), str(tmp_path / "out"), str(limit), fault],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -61,7 +65,7 @@ def _launch(tmp_path, limit: float):
 
 def test_a_stopped_rank_is_named_within_the_deadline(tmp_path):
     limit = 3.0
-    procs = _launch(tmp_path, limit)
+    procs = _launch(tmp_path, limit, "stop")
     started = time.monotonic()
     try:
         out0, err0 = procs[0].communicate(timeout=120)
@@ -87,8 +91,27 @@ def test_a_stopped_rank_is_named_within_the_deadline(tmp_path):
     assert not (tmp_path / "out" / "hang" / "rank_1.txt").exists()  # a stopped rank writes nothing: the line says so
 
 
+def test_a_killed_rank_is_named_at_once(tmp_path):
+    """SIGKILL: the survivor's all-reduce raises (gloo sees the connection close) and the line names the rank
+    whose process is gone (its heartbeat's pid on this host), long before any step deadline."""
+    procs = _launch(tmp_path, 120.0, "kill")
+    started = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=120)
+    seconds = time.monotonic() - started
+    procs[1].wait(timeout=30)
+    killed_pid = int(procs[1].stdout.read().split("stopping ")[1].split()[0])
+    lines = [line for line in err0.splitlines() if line.startswith("error: rank 0:")]
+    print(f"\n{lines}\nrank 0 exited {procs[0].returncode} after {seconds:.1f} s (start-up included)")
+    assert procs[0].returncode == 1 and len(lines) == 1, err0[-3000:]
+    assert (
+        f"collective failed in step 1, phase 'sync': process gone: rank 1 (pid {killed_pid}, last in 'train')"
+        in lines[0]
+    )
+    assert seconds < 30 and not (tmp_path / "out" / "hang").exists()
+
+
 def test_negative_control_a_step_within_its_limit_is_not_reported(tmp_path):
-    procs = _launch(tmp_path, 120.0)
+    procs = _launch(tmp_path, 120.0, "none")
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "done 2.0" in outs[0][0] and not (tmp_path / "out" / "hang").exists()
