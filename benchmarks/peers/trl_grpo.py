@@ -5,7 +5,9 @@
 The spec (written by vs_trl.py) names the model folder, the prompts file, the batch (prompts x n), the completion
 length, the learning rate and the steps. The reward is mgrpo's `token_fraction` (the fraction of completion tokens
 whose text is only digits), rewritten here on TRL's `completion_ids` so this venv needs nothing of mgrpo's.
-Writes per-step wall time, the rollout (TRL's generate-and-score) time, completion tokens and mean reward."""
+Writes per-step wall time, the rollout (TRL's generate-and-score) time, completion tokens and mean reward, and
+appends one line per finished step to the spec's `steps_file` (the benchmark's outside clock watches it, as it
+watches mgrpo's metrics.jsonl). `"vllm": true` asks for TRL's colocated vLLM (`use_vllm`, `vllm_mode="colocate"`)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ def main() -> None:
     prompts = [r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}] for r in rows]
     data = Dataset.from_dict({"prompt": prompts})
     batch = spec["prompts_per_step"] * spec["n"]
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3) if spec.get("vllm") else {}
     config = GRPOConfig(
+        **vllm,
         output_dir=spec["workdir"],
         use_cpu=True,
         bf16=False,
@@ -93,6 +97,10 @@ def main() -> None:
             if self.started is not None:
                 record["step_s"].append(now - self.started)
             self.started = now
+
+        def on_step_end(self, *_, **__):  # one line per step: vs_trl.py's outside clock sees it arrive
+            with open(spec["steps_file"], "a") as f:
+                f.write(json.dumps({"step": len(record["rollout_s"])}) + "\n")
 
         def on_train_end(self, *_, **__):
             record["step_s"].append(time.perf_counter() - self.started)

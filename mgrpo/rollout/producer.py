@@ -53,6 +53,7 @@ class RolloutProducer:
         self.pending = {}  # step -> rows (sync), Future of the owner's payload, None (no engine here), or _Shared
         self.next_draw = None  # the first step whose prompts are not drawn yet
         self.idle_since, self.idle = time.perf_counter(), 0.0  # the engine waiting for the trainer (owners)
+        self.generate_s: dict = {}  # step -> seconds its batch took to generate and score (owners)
 
     def _generate(self, rows: list, step: int) -> dict:
         """One batch on this owner's engine; the gap since the previous batch ended is engine idle time (a batch
@@ -63,6 +64,7 @@ class RolloutProducer:
             return self.manager.generate_local(rows, step)
         finally:
             self.idle_since = time.perf_counter()
+            self.generate_s[step] = self.idle_since - start  # the producer's own time on this batch
 
     def _draw_through(self, last: int) -> None:
         """Draw prompts (every rank, in step order) and start generation (owners, threaded modes) up to `last`."""
@@ -92,6 +94,7 @@ class RolloutProducer:
         metrics = {
             "timing/wait_rollout": waited,
             "timing/wait_train": self.idle,
+            "timing/generate": self.generate_s.pop(step, 0.0),
             "async/discarded": dropped,
             "async/staleness_mean": sum(stale) / max(len(stale), 1),
             "async/staleness_max": max(stale, default=0),
