@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from mgrpo.actor import Actor, reference_policy
 from mgrpo.checkpoint import Saver, load_training_state, pause_point
@@ -216,13 +217,13 @@ class GRPOTrainer:
             self.saver.export_hf(self.actor, self.cfg.train.steps)
         except RolloutError as exc:  # said before the engines close: torchrun may end this rank meanwhile
             if self.rank == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                tqdm.write(f"error: {exc}", file=sys.stderr)  # on a line of its own, above the progress bar
             exc.reported = True
             raise
         except RuntimeError:  # a collective broke: name a peer whose process is gone (parallel/watchdog.py)
             line = self.watchdog.gone_peers()
             if line:
-                print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+                tqdm.write(f"error: rank {self.rank}: {line}", file=sys.stderr)
             raise
         finally:
             log.close()

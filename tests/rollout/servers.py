@@ -29,7 +29,18 @@ class Server:
             self.cert, key = self_signed(str(tls_dir))
             self.args += ["--ssl-certfile", self.cert, "--ssl-keyfile", key]
             self.url, self.context = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=self.cert)
-        self.start(timeout)
+        for attempt in range(3):  # free_port() is only a guess: another process may take the port before the bind
+            try:
+                self.start(timeout)
+                return
+            except AssertionError as exc:
+                if "is already in use" not in str(exc) or attempt == 2:
+                    raise
+                from mgrpo.parallel.distributed import free_port
+
+                self.log.close()
+                old, self.port = self.port, free_port()
+                self.url = self.url.replace(f":{old}", f":{self.port}")
 
     def start(self, timeout: float = 300):
         env = {
