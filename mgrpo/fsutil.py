@@ -1,4 +1,5 @@
-"""Folder replacement that a kill at any instant cannot turn into 'nothing there'; reading JSON-lines files."""
+"""Folder replacement that a kill at any instant cannot turn into 'nothing there'; reading JSON-lines files; whether
+a process still runs (from /proc)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def replace_dir(new: str, final: str, exchange: bool = True) -> None:
     os.replace(new, final)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """The process runs: it exists and is not a zombie (killed, not yet reaped by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -29,6 +29,8 @@ import threading
 import time
 from datetime import timedelta
 
+from mgrpo.fsutil import pid_alive
+
 EXIT_CODE = 3
 FIRST_STEP_S = 1800.0  # the default limit until one step has finished
 MIN_AUTO_S = 300.0
@@ -157,7 +159,7 @@ class StepWatchdog:
         for r, beat in sorted(self.heartbeats().items()):
             if r == self.rank or beat is None:
                 continue
-            if beat["host"] == self.host and not _pid_alive(beat["pid"]):
+            if beat["host"] == self.host and not pid_alive(beat["pid"]):
                 gone.append(f"rank {r} (pid {beat['pid']}, last in {beat['phase']!r})")
             elif now - beat["time"] > 3 * self.heartbeat_s:
                 silent.append(f"rank {r} ({beat['host']}, silent for {now - beat['time']:.0f} s)")
@@ -185,21 +187,6 @@ class StepWatchdog:
             f"hang: step {self.step_no} ran past train.step_timeout_s={self.limit():g} s ({elapsed:.0f} s): {who}; "
             f"answering: {', '.join(waiting) or 'none'}; stacks in {self.hang_dir}/rank_N.txt"
         )
-
-
-def _pid_alive(pid: int) -> bool:
-    """The process runs: it exists and is not a zombie (killed, not yet reaped by its launcher)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def heartbeat_store(timeout_s: float = 30.0):

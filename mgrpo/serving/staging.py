@@ -16,6 +16,8 @@ import re
 import shutil
 import tempfile
 
+from mgrpo.fsutil import pid_alive
+
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -23,22 +25,12 @@ class StagingFull(ValueError):
     """A bucket over the per-version caps; the message names the cap and its flag."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(base: str = BASE) -> list:
     """Remove the staging folders of servers that are no longer running; returns what was removed."""
     removed = []
     for path in glob.glob(os.path.join(base, "mgrpo-staging-*")):
         m = re.match(r"mgrpo-staging-(\d+)-", os.path.basename(path))
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
