@@ -107,8 +107,10 @@ def run_watched(cmd, env, cwd, watch: str) -> tuple:
     return r, clock.steps()
 
 
-def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, threads: int) -> dict:
-    out = os.path.join(work, f"mgrpo-{engine}")
+def run_mgrpo(
+    model: str, size: dict, engine: str, steps: int, work: str, threads: int, prompts: int = PROMPTS_PER_STEP
+) -> dict:
+    out = os.path.join(work, f"mgrpo-{engine}-{prompts}-{size['max_tokens']}")
     cmd = [
         sys.executable,
         os.path.join(ROOT, "launch", "train_grpo.py"),
@@ -121,7 +123,7 @@ def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, thread
         "--rollout.n",
         str(N),
         "--rollout.prompts_per_step",
-        str(PROMPTS_PER_STEP),
+        str(prompts),
         "--rollout.max_tokens",
         str(size["max_tokens"]),
         "--train.steps",
@@ -146,7 +148,7 @@ def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, thread
     if r.returncode:
         raise SystemExit(f"mgrpo ({engine}) failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    n = PROMPTS_PER_STEP * N
+    n = prompts * N
     return {
         "wall_s": wall,
         "step_s": [r["timing/step"] for r in rows],
@@ -159,12 +161,20 @@ def run_mgrpo(model: str, size: dict, engine: str, steps: int, work: str, thread
     }
 
 
-def run_trl(model: str, size: dict, steps: int, work: str, threads: int, vllm: bool = False) -> dict:
+def run_trl(
+    model: str,
+    size: dict,
+    steps: int,
+    work: str,
+    threads: int,
+    vllm: bool = False,
+    prompts: int = PROMPTS_PER_STEP,
+) -> dict:
     """TRL's run; with `vllm` its colocated vLLM: {"error": first line} where TRL cannot run it."""
     spec = dict(
         model=model,
         prompts=PROMPTS,
-        prompts_per_step=PROMPTS_PER_STEP,
+        prompts_per_step=prompts,
         n=N,
         micro_batch_size=MICRO,
         max_tokens=size["max_tokens"],
@@ -174,7 +184,7 @@ def run_trl(model: str, size: dict, steps: int, work: str, threads: int, vllm: b
         threads=threads,
         workdir=os.path.join(work, "trl"),
         vllm=vllm,
-        steps_file=os.path.join(work, f"trl-steps-{int(vllm)}.jsonl"),
+        steps_file=os.path.join(work, f"trl-steps-{int(vllm)}-{prompts}-{size['max_tokens']}.jsonl"),
     )
     path, out = os.path.join(work, "trl-spec.json"), os.path.join(work, "trl.json")
     json.dump(spec, open(path, "w"))
@@ -192,7 +202,9 @@ def run_trl(model: str, size: dict, steps: int, work: str, threads: int, vllm: b
     return rec
 
 
-def summary(rec: dict, warmup: int, model: str, machine: Machine, prompt_tokens: float) -> dict:
+def summary(
+    rec: dict, warmup: int, model: str, machine: Machine, prompt_tokens: float, prompts: int = PROMPTS_PER_STEP
+) -> dict:
     """Medians after warm-up of the outside wall step (`wall_s[i]` ends at step i + 1) and the phases, and the
     roofline bound of the same work."""
     k = slice(warmup, None)
@@ -200,7 +212,7 @@ def summary(rec: dict, warmup: int, model: str, machine: Machine, prompt_tokens:
     step = statistics.median(wall)
     tokens = statistics.median(rec["completion_tokens"][k])
     prompt = statistics.median(rec["prompt_tokens"][k]) if "prompt_tokens" in rec else prompt_tokens  # same prompts
-    parts = bound(model_work(model, PROMPTS_PER_STEP * N, prompt, tokens), machine)
+    parts = bound(model_work(model, prompts * N, prompt, tokens), machine)
     return {
         "step": step,
         "inside_step": statistics.median(rec["step_s"][k]),
