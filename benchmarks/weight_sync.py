@@ -7,10 +7,14 @@ buffer between the same two processes (no export, no manifest, no load). The sam
 collective, on loopback). Time is split into export (megatron -> HF tensors), transfer, load (the server's vLLM
 reload) and cache reset; peak RSS above the starting point is sampled on both sides during each push.
 
-    python benchmarks/weight_sync.py [--model 100m|tiny] [--reps 2]
+    python benchmarks/weight_sync.py [--model 100m|tiny] [--reps 2] [--delta-only | --skip-delta]
+
+Then the delta rows (benchmarks/weight_sync_delta.py): an ~85M bf16 model trained real steps at LR 1e-6 and 1e-5,
+each step pushed whole and as a delta to a bf16 server, on loopback and an emulated 1 Gb/s link.
 
 Ends with one line: result: http_s=... collective_s=... limit_s=... collective_vs_http=... collective_vs_limit=...
-peak_rss_mb=... (the HTTP figure is the default 64 MB xxh3_128 path; ratios are speedups at TP1)
+peak_rss_mb=... delta_bytes_frac=... delta_http_speedup=... (the HTTP figure is the default 64 MB xxh3_128 path;
+ratios are speedups at TP1; the delta figures at LR 1e-6, on loopback unless named)
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class PeakRSS:
         self.thread.join()
 
 
-def start_server(model: str, port: int, log: str) -> subprocess.Popen:
+def start_server(model: str, port: int, log: str, extra: tuple = ()) -> subprocess.Popen:
     env = dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN)
     proc = subprocess.Popen(
         [
@@ -89,6 +93,7 @@ def start_server(model: str, port: int, log: str) -> subprocess.Popen:
             str(port),
             "--transport",
             "collective",
+            *extra,
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
@@ -183,9 +188,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="100m", choices=sorted(MODELS))
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--delta-only", action="store_true", help="only the delta rows (weight_sync_delta.py)")
+    ap.add_argument("--skip-delta", action="store_true")
     args = ap.parse_args()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(k, None)
+    delta = {} if args.skip_delta else delta_rows()
+    if args.delta_only:
+        print("result: " + delta_result(delta))
+        return
     from mgrpo.actor import Actor
     from mgrpo.config import ParallelConfig, load_config
     from mgrpo.data.tokenizer import load_tokenizer
@@ -289,7 +300,33 @@ def main() -> None:
         f"result: http_s={http:.3f} collective_s={coll:.3f} limit_s={limit:.3f} collective_vs_http={http / coll:.2f} "
         f"collective_vs_limit={limit / coll:.2f} tp2pp2_collective_s={best['collective TP2xPP2']['total_s']:.3f} "
         f"peak_rss_mb={peak:.0f} tp2pp2_sender_peak_mb={best['collective TP2xPP2']['trainer_peak_mb']:.0f} "
-        f"server_peak_rss_mb={best['collective']['server_peak_mb']:.0f}"
+        f"server_peak_rss_mb={best['collective']['server_peak_mb']:.0f}" + (" " + delta_result(delta) if delta else "")
+    )
+
+
+def delta_rows() -> dict:
+    """Full vs delta pushes of the ~85M model in bf16, trained real steps (benchmarks/weight_sync_delta.py)."""
+    from benchmarks.vs_trl import SIZES
+    from benchmarks.weight_sync_delta import run
+    from mgrpo.models.tiny import make_tiny_hf
+    from mgrpo.parallel.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as root:
+        model = make_tiny_hf(os.path.join(root, "model"), seed=0, **SIZES["mid"]["model"])
+        port = free_port()
+        server = start_server(model, port, os.path.join(root, "server.log"), ("--dtype", "bfloat16"))
+        try:
+            return run(model, port, TOKEN)
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def delta_result(d: dict) -> str:
+    return (
+        f"delta_bytes_frac={d['delta_bytes_frac_1e-06']:.4f} idx_val_bytes_frac={d['idx_val_bytes_frac_1e-06']:.4f} "
+        f"delta_bytes_frac_lr1e-5={d['delta_bytes_frac_1e-05']:.4f} delta_http_speedup={d['delta_http_speedup_1e-06']:.2f} "
+        f"delta_http_1gbps_speedup={d['delta_http_1gbps_speedup_1e-06']:.2f}"
     )
 
 

@@ -168,6 +168,12 @@ def check_remote(r) -> list:
             f"rollout.remote.transport={m.transport!r}; use auto, http or collective (vLLM servers: start "
             f"them with --transport collective)"
         )
+    e += must("rollout.remote.full_every", m.full_every, m.full_every >= 0, ">= 0 (0: full only when needed)")
+    if m.delta and m.transport != "http":
+        e.append(
+            f"rollout.remote.delta=true needs rollout.remote.transport=http (it is {m.transport}); deltas over "
+            f"the collective transport are not built yet: set rollout.remote.delta=false"
+        )
     if r.engine == "sglang" and m.transport != "collective":
         e.append(
             f"rollout.engine=sglang with rollout.remote.transport={m.transport!r}: SGLang servers take weights "

@@ -135,9 +135,9 @@ class GRPOTrainer:
         )
         return samples, {**counts.metrics(), **self.rollout.fault_metrics()}
 
-    def sync_weights(self) -> int | None:
-        """Every DP replica that has an engine exports to it (views, one copy into the engine); returns the bytes
-        this rank's engine got (LoRA adapter-only sync: the adapters alone)."""
+    def sync_weights(self) -> dict:
+        """Every DP replica that has an engine exports to it (views, one copy into the engine); returns the sync/
+        metrics (bytes this rank's engine got; LoRA adapter-only sync: the adapters alone)."""
         self.version += 1
         return push_weights(
             self.weight_sync,
@@ -173,7 +173,7 @@ class GRPOTrainer:
         pause_point("train", step)  # test hook: a kill between the update and the sync
         with timer("sync"):
             self.memory.to_push()  # the engine's weights wake; its KV cache waits until the trainer's memory is out
-            extra["sync/bytes"] = self.sync_weights()
+            extra.update(self.sync_weights())
         with timer("save"):
             self.maybe_save(step + 1)  # before the offload: the save reads the optimizer on the device
         self.memory.to_rollout()  # the trainer's memory to the host (train.offload), then the engine's KV cache

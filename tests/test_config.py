@@ -460,3 +460,29 @@ def test_colocated_turns_refuse_what_cannot_take_turns(tmp_path, data_file, flag
     load_config(
         argv=["--config", path, "--rollout.engine", "vllm", "--rollout.vllm.sleep_level", "2", "--train.offload", "all"]
     )
+
+
+def test_delta_sync_fields_are_checked(tmp_path, data_file):
+    """rollout.remote.delta over the collective transport (not built) and a negative full_every: both named."""
+    path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            argv=[
+                "--config",
+                path,
+                "--rollout.engine",
+                "remote",
+                "--rollout.servers",
+                "http://127.0.0.1:8000",
+                "--rollout.remote.transport",
+                "collective",
+                "--rollout.remote.delta",
+                "true",
+                "--rollout.remote.full_every",
+                "-1",
+            ],
+            check_files=False,
+        )
+    text = str(e.value)
+    assert "rollout.remote.delta=true needs rollout.remote.transport=http (it is collective)" in text, text
+    assert "rollout.remote.full_every" in text, text

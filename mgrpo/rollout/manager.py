@@ -391,15 +391,23 @@ def adapter_sync(cfg) -> bool:
 
 def push_weights(
     sync: WeightSync, model_chunks: list, version: int, owners: dict, bucket_bytes: int, adapter_only: bool = False
-) -> int | None:
+) -> dict:
     """One weight version through this rank's `WeightSync` (every rank calls it: the export is a collective); then
     all ranks fail together if any engine rejected it (the rejecting engine still serves its old version).
-    `adapter_only`: the export streams LoRA factors (PEFT names), not merged weights. Returns the bytes of HF
-    tensors streamed to this rank (None where the transport streams none: per-stage senders)."""
-    export, error = Export(model_chunks, owners, bucket_bytes, adapter_only), None
+    `adapter_only`: the export streams LoRA factors (PEFT names), not merged weights. Returns the sync/ metrics:
+    `sync/bytes`, the HF tensor bytes streamed to this rank (None where the transport streams none: per-stage
+    senders), and with deltas (rollout.remote.delta) `sync/wire_bytes`, `sync/delta_changed` (fraction of the
+    elements that changed) and `sync/full_fallbacks` (servers that needed the whole version)."""
+    export, error, receipt = Export(model_chunks, owners, bucket_bytes, adapter_only), None, None
     try:
-        sync.push(export, version)
+        receipt = sync.push(export, version)
     except Exception as exc:  # noqa: BLE001
         error = f"rank {dist.get_rank()}: weight version {version} not applied: {type(exc).__name__}: {exc}"
     fail_together(error, list(owners.values()))
-    return export.bytes
+    out = {"sync/bytes": export.bytes}
+    delta = (receipt or {}).get("delta") if isinstance(receipt, dict) else None
+    if delta:
+        out["sync/wire_bytes"] = receipt.get("bytes")
+        out["sync/delta_changed"] = delta["changed"] / max(delta["elements"], 1)
+        out["sync/full_fallbacks"] = len(delta["full_fallback"])
+    return out

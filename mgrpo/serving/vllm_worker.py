@@ -54,6 +54,17 @@ class WeightReceiver:
 
 
 class FileReceiver:
+    def mgrpo_weights_digest(self) -> dict:
+        """xxh3_128 over every parameter (name, dtype, shape, bytes) of this worker's model, in name order."""
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        for name, p in sorted(self.model_runner.model.named_parameters()):
+            t = p.detach().contiguous().cpu()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return {"digest": h.hexdigest()}
+
     def mgrpo_collective_receipt(self) -> dict:
         """What the collective backend received and loaded in the last update (`collective_receiver.py`)."""
         engine = getattr(self, "weight_transfer_engine", None)

@@ -145,6 +145,10 @@ def add_weight_routes(
         return error(409, why) if why else None
 
     update.on_new_owner.append(lambda: staging.reset(None))
+    from mgrpo.serving.delta_store import DeltaStore, NeedFull
+
+    store = DeltaStore(staging.dir)  # the last loaded version, kept while the trainer sends deltas
+    update.on_new_owner.append(store.forget)
 
     @app.put("/mgrpo/weights/{version}/{index}")
     async def put_bucket(version: int, index: int, request: Request):
@@ -211,10 +215,27 @@ def add_weight_routes(
                     f"version {version} is not completely staged (count {count}, staged "
                     f"{len(have)}, missing or different: {missing}); resend its buckets",
                 )
-            result = await _apply(version, [staging.buckets[i][0] for i in range(count)])
+            staged = [staging.buckets[i][0] for i in range(count)]
+            if store.version is not None and store.version != gate.version:
+                store.forget()  # the weights changed another way (collective, LoRA): no delta applies
+            paths, delta = staged, store.is_delta(staged)
+            if delta:
+                try:
+                    paths = await asyncio.to_thread(store.apply, version, staged)
+                except (NeedFull, OSError, ValueError) as exc:
+                    staging.reset(None)
+                    return JSONResponse({"error": str(exc), "need_full": True}, status_code=409)
+            result = await _apply(version, paths)
             if isinstance(result, dict):  # applied (an error is a response)
                 update.owner.committed(version)
+                if body.get("keep_base"):
+                    store.keep(version, paths)
+                    result.update(delta_apply_s=store.apply_s if delta else 0.0, base_version=version)
+                else:
+                    store.forget()
                 staging.reset(None)
+            elif delta:
+                store.forget()  # the base holds the version that did not load
             return result
 
     async def _apply(version: int, paths: list):
@@ -231,6 +252,11 @@ def add_weight_routes(
             return results[0]["receipt"]
 
         return await apply_version(gate, update, engine_client, version, update_timeout_s, load)
+
+    @app.get("/mgrpo/weights_digest")
+    async def weights_digest():
+        """xxh3_128 of every parameter of the loaded model, per worker (tests: deltas give bitwise a full push)."""
+        return {"version": gate.version, "workers": await engine_client.collective_rpc("mgrpo_weights_digest")}
 
     @app.get("/mgrpo/version")
     async def version_info():

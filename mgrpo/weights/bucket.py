@@ -239,10 +239,11 @@ def make_buckets(
         yield pack_bucket(items, version, index, checksum=checksum)
 
 
-def bucket_header(items: list, version: int, index: int) -> tuple:
+def bucket_header(items: list, version: int, index: int, extra: dict | None = None) -> tuple:
     """(safetensors header bytes, payload length P, manifest) for (name, tensor) views `items`, without building
     the payload: a sender streams the tensors after the header (zero padding to each ALIGN offset). The manifest
-    carries sha256 "": a streaming sender computes the digest as it sends (`Digest`)."""
+    carries sha256 "": a streaming sender computes the digest as it sends (`Digest`). `extra`: more manifest
+    fields (a delta's section, `delta.py`), covered by the digest like the rest."""
     offsets, nbytes, total = [], [], 0
     for _, t in items:
         offsets.append(align_up(total))
@@ -258,6 +259,7 @@ def bucket_header(items: list, version: int, index: int) -> tuple:
         offsets=offsets,
         nbytes=nbytes,
         sha256="",
+        **(extra or {}),
     )
     header = json.dumps(
         {

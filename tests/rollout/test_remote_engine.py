@@ -155,6 +155,64 @@ def test_a_tampered_bucket_is_rejected_and_the_old_version_serves(single_rank, s
     assert all(o.weight_versions[0] == good for o in after)
 
 
+def test_delta_pushes_give_bitwise_the_weights_of_a_full_push(single_rank, server, dirs):
+    """rollout.remote.delta: five pushes of sparse updates (3% of the elements move, as one RL step at a small LR)
+    send a fraction of the bytes; the server's parameters are then bitwise those a full push of the same tensors
+    gives (xxh3 of every vLLM parameter). A sender that names a base the server does not hold gets "need full" and
+    pushes the whole version in the same step; the next push is a delta again. Negative control: the digest
+    tells two versions apart."""
+    import torch
+
+    from mgrpo.weights.export import export_hf
+
+    def weights_digest():
+        return json.loads(server.http("/mgrpo/weights_digest")[1])["workers"][0]["digest"]
+
+    tensors = [(n, t.clone()) for n, t in export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)]
+    engine = connect(server, dirs, delta=True)
+    transport, g, receipts = engine.weight_transport(1 << 20), torch.Generator().manual_seed(0), []
+    try:
+        for step in range(6):
+            if step:
+                for _, t in tensors:
+                    t.add_((torch.rand(t.shape, generator=g) < 0.03) * torch.randn(t.shape, generator=g) * 1e-3)
+            before = weights_digest()
+            receipts.append(transport.send(iter(tensors), next(_versions)))
+        after_deltas = weights_digest()
+        assert after_deltas != before, "negative control: the digest must tell two versions apart"
+        first, rest = receipts[0]["delta"], [r["delta"] for r in receipts[1:]]
+        assert first["servers"] == [] and all(d["servers"] == [server.url[7:]] for d in rest)
+        fractions = [d["wire_bytes"] / d["dense_bytes"] for d in rest]
+        print(f"delta wire/dense per push {[round(f, 3) for f in fractions]}, base {first['base_host_bytes']} B")
+        assert max(fractions) < 0.5 and all(r["bytes"] < receipts[0]["bytes"] / 2 for r in receipts[1:])
+
+        full = engine.weight_transport(1 << 20, delta=False)
+        full.send(iter(tensors), next(_versions))
+        full.close()
+        assert weights_digest() == after_deltas, "deltas gave other weights than a full push"
+
+        for t in (t for _, t in tensors):
+            t.add_(1e-3 * (torch.rand(t.shape, generator=g) < 0.03))
+        transport.delta.version = 999  # a base the server does not hold
+        for replica in engine.replicas:
+            replica.version = 999
+        fallback = transport.send(iter(tensors), next(_versions))
+        assert fallback["delta"]["full_fallback"] == [server.url[7:]], fallback
+        after_fallback = weights_digest()
+        full = engine.weight_transport(1 << 20, delta=False)
+        full.send(iter(tensors), next(_versions))
+        full.close()
+        assert weights_digest() == after_fallback
+        # a full push by another transport moved the server on (and dropped its base): this one sends it whole
+        again = transport.send(iter(tensors), next(_versions))
+        assert again["delta"]["servers"] == [] and again["delta"]["full_fallback"] == [], again
+        last = transport.send(iter(tensors), next(_versions))
+        assert last["delta"]["servers"] == [server.url[7:]] and last["delta"]["full_fallback"] == []
+        assert weights_digest() == after_fallback
+    finally:
+        transport.close()
+
+
 def test_collective_sync_to_a_server_without_it_names_the_flag(single_rank, server, dirs):
     """rollout.remote.transport: collective against a server started without --transport collective: the open
     answers 404 and the update fails with one line that names the flag."""
@@ -186,8 +244,21 @@ def test_a_hung_server_times_out_and_recovers_after_sigcont(single_rank, server,
 
 
 def test_a_killed_server_is_named_and_a_restarted_one_gets_the_weights(single_rank, server, dirs):
-    engine = connect(server, dirs, request_timeout_s=30, retries=1, backoff_s=0.1)
-    _, version = push(engine, dirs["other"])
+    """With deltas on (one transport for the whole test): the restarted server holds no base, so it gets the whole
+    version, straight from the export (not a refused delta), and serves it."""
+    from mgrpo.weights.export import export_hf
+
+    engine = connect(server, dirs, request_timeout_s=30, retries=1, backoff_s=0.1, delta=True)
+    transport = engine.weight_transport(1 << 20)
+
+    def push_delta(model_dir):
+        version = next(_versions)
+        items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=1 << 20)
+        return transport.send(items, version), version
+
+    push_delta(dirs["new"])
+    receipt, version = push_delta(dirs["other"])
+    assert receipt["delta"]["servers"] == [server.url[7:]]  # before the kill: a delta
     errors, t0 = [], time.time()
 
     def generate():
@@ -208,8 +279,10 @@ def test_a_killed_server_is_named_and_a_restarted_one_gets_the_weights(single_ra
     assert json.loads(http(server.url + "/mgrpo/version")[1])["version"] == 0
     with pytest.raises(RemoteEngineError, match="no rollout server left"):
         run(engine, reqs(seed=2), SamplingParams(temperature=1.0, max_tokens=4))  # not before it has the weights
-    receipt, newer = push(engine, dirs["other"])
+    receipt, newer = push_delta(dirs["other"])
+    transport.close()
     assert receipt["servers"] == [server.url[7:]]
+    assert receipt["delta"]["servers"] == [] and receipt["delta"]["full_fallback"] == [], receipt["delta"]
     out = run(engine, reqs(seed=2), SamplingParams(temperature=0.0, max_tokens=8))
     assert all(o.weight_versions[0] == newer for o in out)
 
@@ -218,7 +291,7 @@ def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
     """The launcher with --rollout.engine remote over two servers, taking them over from this module's run: the
     reward rises and requests are spread over both (counted per server in the metrics) until the second one's load
     hangs past its --update-timeout-s (a test hook): it answers 503, is poisoned, never rejoins, and the run ends on
-    the first. Every sample of step s carries weight version s; the token is nowhere in the trainer's output."""
+    the first. Weights go as deltas (rollout.remote.delta) after the first, full, push. Every sample of step s carries weight version s; the token is nowhere in the trainer's output."""
     from mgrpo.parallel.distributed import free_port
 
     delay = tmp_path / "load-delay"
@@ -252,6 +325,8 @@ def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
                 f"{server.url},{second.url}",
                 "--rollout.remote.take_over",
                 "true",
+                "--rollout.remote.delta",
+                "true",
                 "--train.steps",
                 str(steps),
                 "--logging.output_dir",
@@ -282,6 +357,9 @@ def test_two_replicas_train_the_tiny_task(server, dirs, tmp_path):
         print(f"two replicas: reward first5 {first5:.3f} -> last5 {last5:.3f}; requests per step {spread}")
         assert last5 >= first5 + 0.2
         assert all(a + b == 64 for a, b in spread), spread
+        wire = [(m["sync/wire_bytes"], m["sync/bytes"], m["sync/full_fallbacks"]) for m in rows]
+        print(f"deltas: (wire bytes, HF bytes, full fallbacks) per step {wire}")
+        assert all(w < b and f == 0 for w, b, f in wire), wire  # the push before step 1 was the full one
         cut = next(i for i, (_, b) in enumerate(spread) if b == 0)  # the first step after the hung load
         assert hang_after <= cut < steps - 2 and all(a > 0 and b > 0 for a, b in spread[:cut]), spread
         assert all(b == 0 for _, b in spread[cut:]), "a poisoned replica never serves again"

@@ -84,6 +84,8 @@ class RemoteEngine:
         max_consecutive_failures: int = 3,
         run_id: str = "",
         take_over: bool = False,
+        delta: bool = False,
+        full_every: int = 0,
     ):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
@@ -94,6 +96,7 @@ class RemoteEngine:
         self.update_timeout_s = update_timeout_s
         self.ssl = tls_context(ca_file)  # https: checked against ca_file (else the system's CAs)
         self.checksum = checksum  # the per-bucket digest on the wire (rollout.remote.checksum)
+        self.delta, self.full_every = delta, full_every  # rollout.remote.delta / full_every (HTTP weight sync)
         self.max_consecutive_failures = max_consecutive_failures
         self.version = 0  # the version every serving replica must hold
         self.adapter = None  # LoRA adapter-only sync: the adapter name generation asks for (`model`)
@@ -289,7 +292,17 @@ class RemoteEngine:
         from mgrpo.weights.transports.http_buckets import HttpBucketTransport
 
         return HttpBucketTransport(
-            self, bucket_bytes, **dict(dict(update_timeout_s=self.update_timeout_s, algo=self.checksum), **kwargs)
+            self,
+            bucket_bytes,
+            **dict(
+                dict(
+                    update_timeout_s=self.update_timeout_s,
+                    algo=self.checksum,
+                    delta=self.delta,
+                    full_every=self.full_every,
+                ),
+                **kwargs,
+            ),
         )
 
     def load_adapter(self, folder: str, version: int) -> dict:
@@ -435,6 +448,8 @@ def engine_from_config(cls, cfg, tokenizer):
         max_consecutive_failures=r.max_consecutive_failures,
         run_id=run_identity(cfg),
         take_over=r.take_over,
+        delta=r.delta,
+        full_every=r.full_every,
     )
     engine.log(
         f"rollout servers ({cls.name}): {', '.join(x.name for x in engine.replicas)} (weight version "

@@ -8,6 +8,10 @@ everything, checks completeness, resets its prefix cache, resumes).
 
 A failed commit is never retried blindly: the client asks the server which version it holds and what it has
 staged, then resends only what is missing (the commit itself, when every bucket is staged).
+
+With `delta` (`rollout.remote.delta`), a replica that holds the sender's last version gets each tensor as what
+changed (`mgrpo.weights.delta`); one that does not (restarted, excluded, or answering "need full" at its commit)
+gets the whole version from the sender's base in the same push.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from mgrpo.weights.bucket import (
     parse_bucket_header,
 )
 from mgrpo.weights.sync import StreamSync, WeightSyncError
+
+
+class NeedFullError(WeightSyncError):
+    """The server cannot apply this delta exactly (another base, a digest mismatch): send the whole version."""
+
 
 TRAILER = DIGEST_HEX["sha256"]  # the body ends with the hex digest of payload and manifest (64 digits for sha256)
 DIGEST_HEADER = "x-mgrpo-digest"  # which digest the trailer holds: sha256 (the default) or xxh3_128
@@ -113,11 +122,25 @@ def _payload(items: list, offsets: list, nbytes: list, total: int):
 class HttpBucketTransport(StreamSync):
     checksum = True  # buckets leave the machine
 
-    def __init__(self, engine, bucket_bytes: int, update_timeout_s: float = 600.0, algo: str = "xxh3_128"):
+    def __init__(
+        self,
+        engine,
+        bucket_bytes: int,
+        update_timeout_s: float = 600.0,
+        algo: str = "xxh3_128",
+        delta: bool = False,
+        full_every: int = 0,
+    ):
         if algo not in DIGEST_HEX:
             raise ValueError(f"rollout.remote.checksum={algo!r}; use one of {', '.join(DIGEST_HEX)}")
         self.engine, self.bucket_bytes, self.timeout, self.algo = engine, bucket_bytes, update_timeout_s, algo
         self.conns: dict = {}
+        self.full_every = full_every
+        self.delta = None
+        if delta:
+            from mgrpo.weights.delta import DeltaSender
+
+            self.delta = DeltaSender()
 
     def _conn(self, replica) -> http.client.HTTPConnection:
         if replica.name not in self.conns:
@@ -168,42 +191,84 @@ class HttpBucketTransport(StreamSync):
         except ValueError:
             out = {"error": text[:200].decode(errors="replace")}
         if resp.status != 200:
-            raise WeightSyncError(
+            raise (NeedFullError if out.get("need_full") else WeightSyncError)(
                 f"rollout server {replica.name}: {method} {path} -> {resp.status}: {out.get('error', out)}"
             )
         return out
 
     def send(self, named_tensors, version: int) -> dict:
         """Push one weight version to every replica that is up (or answers again); returns a receipt with the
-        time split into export, transfer, load and cache reset."""
+        time split into export, transfer, load and cache reset (and, with deltas, what they saved)."""
         targets = self.engine.rejoin_candidates()
         if not targets:
             raise WeightSyncError(str(self.engine.no_replica_left()))
-        digests, timing, sent_bytes, t = [], dict(export_s=0.0, transfer_s=0.0), 0, time.perf_counter()
+        d = self.delta
+        base = d.version if d is not None else None
+        if base is not None and self.full_every and version % self.full_every == 0:
+            base = None  # sync.full_every: a full push now and then
+        gets_delta = {r.name for r in targets if base is not None and r.version == base}
+        if d is not None:
+            d.reset_stats()
+        try:
+            receipts, timing, buckets, sent_bytes = self._push(named_tensors, version, targets, gets_delta)
+        except BaseException:
+            if d is not None:
+                d.forget()  # its base may hold part of this version: the next push is full
+            raise
+        if d is not None:
+            if receipts:
+                d.commit(version)
+            else:
+                d.forget()
+        if not receipts:
+            raise WeightSyncError(
+                f"weight version {version} reached no rollout server: {str(self.engine.no_replica_left())}"
+            )
+        self.engine.version = version
+        first = next(iter(receipts.values()))
+        out = dict(
+            version=version,
+            buckets=buckets,
+            bytes=sent_bytes,
+            servers=sorted(receipts),
+            **timing,
+            load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
+            reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
+            tensors=first.get("tensors"),
+        )
+        if d is not None:
+            out["delta"] = dict(
+                d.stats,
+                apply_s=max(r.get("delta_apply_s", 0.0) for r in receipts.values()),
+                base=base,
+                servers=sorted(gets_delta & set(receipts)),
+                full_fallback=sorted(n for n, r in receipts.items() if r.get("full_fallback")),
+                base_host_bytes=d.host_bytes,
+            )
+        return out
+
+    def _push(self, named_tensors, version: int, targets: list, gets_delta: set) -> tuple:
+        """Stream the buckets to `targets` (the delta to those in `gets_delta`), then commit on all at once; a
+        replica that answers "need full" gets the whole version from the sender's base before this returns."""
+        d = self.delta
+        digests = {r.name: [] for r in targets}
+        timing, sent_bytes, t = dict(export_s=0.0, transfer_s=0.0), {r.name: 0 for r in targets}, time.perf_counter()
+        index = -1
         for index, pending in enumerate(cut_buckets(named_tensors, self.bucket_bytes)):
-            header, total, manifest = bucket_header(pending, version, index)
+            bodies = {False: (pending, None)}
+            if d is not None:
+                wire, section = d.encode(pending, delta=bool(gets_delta))
+                if section is not None:
+                    bodies[True] = (wire, {"delta": section})
             timing["export_s"] += time.perf_counter() - t
-            t, sent = time.perf_counter(), {}
+            t = time.perf_counter()
             for replica in list(targets):
+                items, extra = bodies[replica.name in gets_delta and True in bodies]
                 try:
-                    got = self._request(
-                        replica,
-                        "PUT",
-                        f"/mgrpo/weights/{version}/{index}",
-                        lambda: bucket_body(pending, header, total, manifest, sent, self.algo),
-                        len(header) + total + DIGEST_HEX[self.algo],
-                    )
-                    if got.get("digest") != sent.get("digest"):
-                        raise WeightSyncError(
-                            f"rollout server {replica.name} checked {self.algo} "
-                            f"{str(got.get('digest'))[:12]}..., sent "
-                            f"{str(sent.get('digest'))[:12]}..."
-                        )
+                    sent_bytes[replica.name] += self._put(replica, version, index, items, extra, digests[replica.name])
                 except (ConnectionError, WeightSyncError) as exc:
                     self.engine.mark_down(replica, f"weight version {version}, bucket {index}: {exc}")
                     targets.remove(replica)
-            digests.append(sent.get("digest"))
-            sent_bytes += total
             timing["transfer_s"] += time.perf_counter() - t
             t = time.perf_counter()
         timing["export_s"] += time.perf_counter() - t
@@ -211,7 +276,17 @@ class HttpBucketTransport(StreamSync):
 
         def commit_one(replica):  # every replica pauses, loads and resumes at the same time
             try:
-                return replica, self._commit(replica, version, digests), None
+                return replica, self._commit(replica, version, digests[replica.name]), None
+            except NeedFullError as exc:
+                if d is None:
+                    return replica, None, exc
+                try:  # the same step: the whole version, from the sender's base
+                    log = []
+                    for i, items in enumerate(cut_buckets(d.items(), self.bucket_bytes)):
+                        self._put(replica, version, i, items, None, log)
+                    return replica, dict(self._commit(replica, version, log), full_fallback=str(exc)), None
+                except (ConnectionError, WeightSyncError) as again:
+                    return replica, None, again
             except (ConnectionError, WeightSyncError) as exc:
                 return replica, None, exc
 
@@ -221,25 +296,30 @@ class HttpBucketTransport(StreamSync):
                     receipts[replica.name], replica.version = receipt, version
                 else:
                     self.engine.mark_down(replica, f"weight version {version} not applied: {exc}")
-        if not receipts:
-            raise WeightSyncError(
-                f"weight version {version} reached no rollout server: {str(self.engine.no_replica_left())}"
-            )
-        self.engine.version = version
-        first = next(iter(receipts.values()))
-        return dict(
-            version=version,
-            buckets=len(digests),
-            bytes=sent_bytes,
-            servers=sorted(receipts),
-            **timing,
-            load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
-            reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
-            tensors=first.get("tensors"),
+        return receipts, timing, index + 1, max(sent_bytes.values(), default=0)  # bytes: to the replica sent most
+
+    def _put(self, replica, version: int, index: int, items: list, extra, digests: list) -> int:
+        """PUT one bucket to one replica and record its digest in `digests[index]`; returns the bytes sent."""
+        header, total, manifest = bucket_header(items, version, index, extra)
+        sent = {}
+        got = self._request(
+            replica,
+            "PUT",
+            f"/mgrpo/weights/{version}/{index}",
+            lambda: bucket_body(items, header, total, manifest, sent, self.algo),
+            len(header) + total + DIGEST_HEX[self.algo],
         )
+        if got.get("digest") != sent.get("digest"):
+            raise WeightSyncError(
+                f"rollout server {replica.name} checked {self.algo} {str(got.get('digest'))[:12]}..., sent "
+                f"{str(sent.get('digest'))[:12]}..."
+            )
+        digests.extend([None] * (index + 1 - len(digests)))
+        digests[index] = sent.get("digest")
+        return total
 
     def _commit(self, replica, version: int, digests: list) -> dict:
-        body = {"count": len(digests), "digests": digests}
+        body = {"count": len(digests), "digests": digests, "keep_base": self.delta is not None}
         try:
             return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
         except ConnectionError as first:  # did it apply? ask before resending anything

@@ -1,0 +1,123 @@
+"""Weight deltas through the bucket wire format, without a server: after 5 steps of real optimizer updates (AdamW on
+an LM loss, fp32 master, bf16 and fp32 wire dtypes) the receiver's tensors are bitwise the sender's; a delta against
+another base is refused with NeedFull and leaves the base as it was; a receiver base that differs from the
+sender's, or a delta that does not decompress, is refused with NeedFull and the receiver drops its base (the next
+push is full). Negative control: with the per-tensor digest check switched off, the differing base gives wrong
+weights (the check is what catches it)."""
+
+import pytest
+import torch
+
+from mgrpo.weights import delta as delta_mod
+from mgrpo.weights.bucket import bucket_header, read_bucket
+from mgrpo.weights.delta import DeltaBase, DeltaSender, NeedFull
+from mgrpo.weights.transports.http_buckets import StreamCheck, bucket_body
+
+
+def trained_versions(dtype, steps=6, lr=1e-3):
+    """(name, tensor) per version of a small LM trained with AdamW on next-token loss, cast to `dtype`."""
+    torch.manual_seed(0)
+    vocab, dim = 64, 32
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, dim), torch.nn.Linear(dim, vocab))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    data = torch.randint(0, vocab, (8, 17))
+    out = []
+    for _ in range(steps):
+        out.append([(n, p.detach().to(dtype).clone()) for n, p in model.named_parameters()])
+        loss = torch.nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, vocab), data[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return out
+
+
+def over_the_wire(items, extra, version=1, index=0):
+    """The bytes a server stages for one bucket (header, payload, trailer checked), read back."""
+    header, total, manifest = bucket_header(items, version, index, extra)
+    data = b"".join(bytes(c) for c in bucket_body(items, header, total, manifest, {}, "xxh3_128"))
+    check, staged = StreamCheck(len(data), "xxh3_128"), b""
+    staged = check.feed(data)
+    check.finish()
+    return read_bucket(bytearray(staged))
+
+
+def push(sender, receiver, items, version, delta=True):
+    wire, section = sender.encode(items, delta=delta)
+    bucket = over_the_wire(wire, {"delta": section} if section is not None else None, version)
+    if section is None:
+        receiver.set(version, {n: t.clone() for n, t in bucket.tensors()})
+    else:
+        receiver.apply(bucket.manifest, bucket.tensors(), version)
+        receiver.version = version
+    sender.commit(version)
+    return receiver.base
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_five_delta_pushes_equal_the_sender_bitwise(dtype):
+    versions = trained_versions(dtype)
+    sender, receiver = DeltaSender(), DeltaBase()
+    push(sender, receiver, versions[0], 0, delta=False)
+    fractions = []
+    for v, items in enumerate(versions[1:], start=1):
+        got = push(sender, receiver, items, v)
+        for name, want in items:
+            assert got[name].dtype == want.dtype and torch.equal(got[name].view(torch.uint8), want.view(torch.uint8))
+        fractions.append(sender.stats["wire_bytes"] / sender.stats["dense_bytes"])
+    print(f"{dtype}: wire bytes / dense per step {[round(f, 3) for f in fractions]}")
+    assert all(f < 1.0 for f in fractions)
+
+
+def test_a_delta_against_another_base_is_refused_and_changes_nothing():
+    versions = trained_versions(torch.bfloat16, steps=3)
+    sender, receiver = DeltaSender(), DeltaBase()
+    push(sender, receiver, versions[0], 0, delta=False)
+    sender.commit(7)  # the sender believes the receiver holds version 7
+    wire, section = sender.encode(versions[1], delta=True)
+    bucket = over_the_wire(wire, {"delta": section}, 1)
+    before = {k: v.clone() for k, v in receiver.base.items()}
+    with pytest.raises(NeedFull, match="against version 7 .* holds version 0"):
+        receiver.apply(bucket.manifest, bucket.tensors(), 1)
+    assert receiver.version == 0 and all(torch.equal(receiver.base[k], v) for k, v in before.items())
+    # the fallback the transport takes in the same step: the sender's base, whole
+    assert all(torch.equal(dict(sender.items())[n], t) for n, t in versions[1])
+
+
+def corrupted(monkeypatch=None):
+    versions = trained_versions(torch.bfloat16, steps=3)
+    sender, receiver = DeltaSender(), DeltaBase()
+    push(sender, receiver, versions[0], 0, delta=False)
+    push(sender, receiver, versions[1], 1)
+    wire, section = sender.encode(versions[2], delta=True)
+    bucket = over_the_wire(wire, {"delta": section}, 2)
+    name = next(iter(section["codec"]))
+    receiver.base[name] = receiver.base[name].clone()
+    receiver.base[name].view(-1)[3] += 1  # the receiver's base differs from what the sender thinks it holds
+    return receiver, bucket, name, dict(versions[2])[name]
+
+
+def test_a_tensor_that_does_not_match_its_digest_is_refused_and_the_base_dropped():
+    receiver, bucket, name, _ = corrupted()
+    with pytest.raises(NeedFull, match=f"{name!r} after the delta does not match its digest"):
+        receiver.apply(bucket.manifest, bucket.tensors(), 2)
+    assert receiver.version is None and not receiver.base  # nothing of it is used: the next push is full
+
+
+def test_negative_control_without_the_digest_the_wrong_base_gives_wrong_weights(monkeypatch):
+    receiver, bucket, name, want = corrupted()
+    codec = bucket.manifest["delta"]["codec"]
+    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t: codec[name]["xxh3"] if t.shape == want.shape else "")
+    receiver.apply(bucket.manifest, [(n, t) for n, t in bucket.tensors() if n == name], 2)
+    assert not torch.equal(receiver.base[name], want)
+
+
+def test_a_delta_that_does_not_decompress_is_refused():
+    versions = trained_versions(torch.float32, steps=3)
+    sender, receiver = DeltaSender(), DeltaBase()
+    push(sender, receiver, versions[0], 0, delta=False)
+    wire, section = sender.encode(versions[1], delta=True)
+    name = next(iter(section["codec"]))
+    wire = [(n, t[: len(t) // 2] if n == name else t) for n, t in wire]  # cut short
+    with pytest.raises(NeedFull, match="does not decompress|holds"):
+        receiver.apply({"delta": section}, wire, 1)
+    assert receiver.version is None
