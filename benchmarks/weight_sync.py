@@ -326,7 +326,8 @@ def delta_result(d: dict) -> str:
     return (
         f"delta_bytes_frac={d['delta_bytes_frac_1e-06']:.4f} idx_val_bytes_frac={d['idx_val_bytes_frac_1e-06']:.4f} "
         f"delta_bytes_frac_lr1e-5={d['delta_bytes_frac_1e-05']:.4f} delta_http_speedup={d['delta_http_speedup_1e-06']:.2f} "
-        f"delta_http_1gbps_speedup={d['delta_http_1gbps_speedup_1e-06']:.2f}"
+        f"delta_http_1gbps_speedup={d['delta_http_1gbps_speedup_1e-06']:.2f} "
+        f"delta_bitwise_bf16={d['delta_bitwise_pairs']:.2f}"
     )
 
 

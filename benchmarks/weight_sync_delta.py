@@ -111,6 +111,7 @@ def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3,
                     with Paced(rate):
                         r = transport.send(iter(weights()), version)
                     d = r["delta"]
+                    digest = engine.get(engine.replicas[0], "/mgrpo/weights_digest")["workers"][0]["digest"]
                     rows.append(
                         dict(
                             lr=lr,
@@ -128,6 +129,7 @@ def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3,
                             idx_val_bytes=d["changed"] * (4 + 2),
                             delta_servers=len(d["servers"]),
                             base_host_bytes=d["base_host_bytes"],
+                            digest=digest,
                         )
                     )
         transport.close()
@@ -159,6 +161,13 @@ def summarize(rows: list) -> dict:
                 r["total_s"] for r in rows if r["lr"] == lr and r["kind"] == "delta" and r["link"] == link
             )
             out[f"delta_{key}_speedup_{lr:.0e}"] = full / delta
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a["kind"] == "delta" and b["kind"] == "full"]
+    same = sum(a["digest"] == b["digest"] for a, b in pairs)
+    print(
+        f"bf16 engine: its parameters after each delta push equal those after the full push of the same weights "
+        f"(xxh3 of every vLLM parameter): {same}/{len(pairs)}"
+    )
+    out["delta_bitwise_pairs"] = same / max(len(pairs), 1)
     base = max(r["base_host_bytes"] for r in rows)
     print(f"sender's delta base: {base / 2**20:.0f} MiB of host memory (one bf16 copy of what it sends)")
     for k, v in out.items():
