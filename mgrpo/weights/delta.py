@@ -35,6 +35,7 @@ import torch
 from mgrpo.weights.bucket import DTYPES, BucketError, dtype_name
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer view for the XOR
+SPARSE_BELOW = 0.125  # changed fraction under which a tensor goes as positions + changed words (`sparse_zstd`)
 
 
 class NeedFull(BucketError):
@@ -91,16 +92,18 @@ class DeltaSender:
             coded = None
             if delta and same and n and t.element_size() in _INT:
                 x = torch.bitwise_xor(_bits(t), _bits(old))
-                self.stats["changed"] += int(torch.count_nonzero(x))
-                blob = self.compressor.compress(memoryview(x.view(torch.uint8).numpy()))
+                pos = torch.nonzero(x).view(-1)
+                self.stats["changed"] += pos.numel()
+                kind, blob = self._compress(x, pos)
                 if len(blob) <= self.max_fraction * n:
                     with warnings.catch_warnings():  # read-only bytes, only sent: no copy
                         warnings.simplefilter("ignore", UserWarning)
-                        coded = torch.frombuffer(blob, dtype=torch.uint8)
+                        coded = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
                     codec[name] = {
-                        "codec": "xor_zstd",
+                        "codec": kind,
                         "dtype": dtype_name(t.dtype),
                         "shape": list(t.shape),
+                        "count": pos.numel(),
                         "xxh3": tensor_digest(t),
                     }
             elif delta:
@@ -116,6 +119,16 @@ class DeltaSender:
         if not delta:
             return wire, None
         return wire, {"base": self.version, "codec": codec}
+
+    def _compress(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """(codec, bytes) of one tensor's XOR `x` whose nonzero positions are `pos`: below SPARSE_BELOW of the
+        elements changed, the gaps between changed positions (int32) then the changed XOR words, zstd-compressed
+        (`sparse_zstd`: zstd reads ~6 bytes per change instead of every byte); else the XOR itself (`xor_zstd`)."""
+        if pos.numel() < SPARSE_BELOW * x.numel():
+            gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)).to(torch.int32)
+            raw = gaps.numpy().tobytes() + x[pos].numpy().tobytes()
+            return "sparse_zstd", self.compressor.compress(raw) if pos.numel() else b""
+        return "xor_zstd", self.compressor.compress(memoryview(x.view(torch.uint8).numpy()))
 
     def items(self) -> list:
         """The base as (name, tensor), in the order the tensors were first sent: a full push of the version it
@@ -176,22 +189,32 @@ class DeltaBase:
             raise
 
     def _xor(self, name: str, spec: dict, blob: torch.Tensor, old, who: str) -> None:
-        dtype, shape = DTYPES.get(spec.get("dtype")), list(spec.get("shape") or [])
-        if spec.get("codec") != "xor_zstd" or dtype is None or dtype.itemsize not in _INT:
-            raise NeedFull(f"{who}: tensor {name!r} has codec {spec.get('codec')!r} of {spec.get('dtype')!r}")
+        kind, dtype, shape = spec.get("codec"), DTYPES.get(spec.get("dtype")), list(spec.get("shape") or [])
+        if kind not in ("xor_zstd", "sparse_zstd") or dtype is None or dtype.itemsize not in _INT:
+            raise NeedFull(f"{who}: tensor {name!r} has codec {kind!r} of {spec.get('dtype')!r}")
         if old is None or old.dtype != dtype or list(old.shape) != shape:
             raise NeedFull(f"{who}: tensor {name!r} is not in the base as {shape} {spec.get('dtype')}")
-        n = math.prod(shape) * dtype.itemsize
+        numel, word = math.prod(shape), _INT[dtype.itemsize]
+        count = int(spec.get("count") or 0)
+        n = numel * dtype.itemsize if kind == "xor_zstd" else count * (4 + dtype.itemsize)
         try:
-            raw = self.decompressor.decompress(memoryview(blob.contiguous().numpy()), max_output_size=n)
+            raw = self.decompressor.decompress(memoryview(blob.contiguous().numpy()), max_output_size=n) if n else b""
         except Exception as exc:  # noqa: BLE001 - zstd's own error type
             raise NeedFull(f"{who}: tensor {name!r}: the delta does not decompress ({exc})") from None
         if len(raw) != n:
-            raise NeedFull(f"{who}: tensor {name!r}: the delta holds {len(raw)} bytes, the tensor {n}")
+            raise NeedFull(f"{who}: tensor {name!r}: the delta holds {len(raw)} bytes, {n} expected")
         with warnings.catch_warnings():  # read-only bytes, only read: no copy
             warnings.simplefilter("ignore", UserWarning)
-            x = torch.frombuffer(raw, dtype=_INT[dtype.itemsize])
-        _bits(old).bitwise_xor_(x)
+            if kind == "xor_zstd":
+                _bits(old).bitwise_xor_(torch.frombuffer(raw, dtype=word))
+            elif count:
+                gaps = torch.frombuffer(raw, dtype=torch.int32, count=count)
+                words = torch.frombuffer(raw, dtype=word, offset=4 * count, count=count)
+                pos = gaps.to(torch.int64).cumsum(0) - 1
+                if int(gaps.min()) < 1 or int(pos[-1]) >= numel:
+                    raise NeedFull(f"{who}: tensor {name!r}: the delta's positions are out of order or range")
+                flat = _bits(old)
+                flat[pos] = flat[pos] ^ words
         if tensor_digest(old) != spec.get("xxh3"):
             raise NeedFull(f"{who}: tensor {name!r} after the delta does not match its digest; nothing was loaded")
 

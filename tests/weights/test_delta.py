@@ -53,19 +53,25 @@ def push(sender, receiver, items, version, delta=True):
     return receiver.base
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_five_delta_pushes_equal_the_sender_bitwise(dtype):
-    versions = trained_versions(dtype)
+@pytest.mark.parametrize(
+    "dtype, lr, codec",
+    [(torch.bfloat16, 1e-3, "xor_zstd"), (torch.float32, 1e-3, "xor_zstd"), (torch.bfloat16, 1e-5, "sparse_zstd")],
+)
+def test_five_delta_pushes_equal_the_sender_bitwise(dtype, lr, codec):
+    versions = trained_versions(dtype, lr=lr)
     sender, receiver = DeltaSender(), DeltaBase()
     push(sender, receiver, versions[0], 0, delta=False)
-    fractions = []
+    fractions, kinds = [], set()
     for v, items in enumerate(versions[1:], start=1):
+        kinds |= {spec["codec"] for spec in sender.encode(items, delta=True)[1]["codec"].values()}
+        sender.base = {n: t.clone() for n, t in versions[v - 1]}  # undo the probe: the base is version v - 1 again
+        sender.reset_stats()
         got = push(sender, receiver, items, v)
         for name, want in items:
             assert got[name].dtype == want.dtype and torch.equal(got[name].view(torch.uint8), want.view(torch.uint8))
         fractions.append(sender.stats["wire_bytes"] / sender.stats["dense_bytes"])
-    print(f"{dtype}: wire bytes / dense per step {[round(f, 3) for f in fractions]}")
-    assert all(f < 1.0 for f in fractions)
+    print(f"{dtype} LR {lr}: wire bytes / dense per step {[round(f, 3) for f in fractions]}, codecs {kinds}")
+    assert all(f < 1.0 for f in fractions) and codec in kinds
 
 
 def test_a_delta_against_another_base_is_refused_and_changes_nothing():
@@ -121,3 +127,21 @@ def test_a_delta_that_does_not_decompress_is_refused():
     with pytest.raises(NeedFull, match="does not decompress|holds"):
         receiver.apply({"delta": section}, wire, 1)
     assert receiver.version is None
+
+
+def test_sparse_positions_out_of_range_are_refused():
+    versions = trained_versions(torch.bfloat16, steps=3, lr=1e-5)
+    sender, receiver = DeltaSender(), DeltaBase()
+    push(sender, receiver, versions[0], 0, delta=False)
+    wire, section = sender.encode(versions[1], delta=True)
+    name = next(n for n, spec in section["codec"].items() if spec["codec"] == "sparse_zstd" and spec["count"])
+    import zstandard
+
+    spec, blob = section["codec"][name], dict(wire)[name]
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(blob.numpy().tobytes(), max_output_size=1 << 30))
+    raw[0:4] = (10**9).to_bytes(4, "little")  # the first position far past the tensor's end
+    bad = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(raw))), dtype=torch.uint8)
+    wire = [(n, bad if n == name else t) for n, t in wire]
+    with pytest.raises(NeedFull, match="out of order or range"):
+        receiver.apply({"delta": section}, wire, 1)
+    assert receiver.version is None and spec["count"] > 0
