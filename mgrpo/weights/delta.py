@@ -3,11 +3,12 @@ would give.
 
 After one RL step at a small LR most bf16 elements do not change (the update is under bf16's rounding step):
 measured here on an ~85M model at LR 1e-6, 2.3-4.3% of the elements change per step (../shared/CPU_FACTS.md).
-Two encodings were measured on those steps: indices (int32) + values cost 7-13% of the dense bytes, the XOR of the
-bit patterns compressed with zstd 2.9-4.9%, so a tensor travels as `xor_zstd` (zstd of new XOR base, bit for bit),
-or dense where that is not smaller. zstd level 1 gives the same size as level 3 on such sparse XORs (4.52% on 85M
-bf16 elements with 4% changed) in 0.12-0.18 s instead of 0.13-0.20 s, so level 1, one thread per core. Peers: NeMo-RL's sparse delta (BF16 only), verl's delta sync (no PP); see
-docs/weight-sync.md.
+Encodings measured on those steps (docs/weight-sync.md#deltas): raw indices (int32) + values cost 11.5% of the
+dense bytes, the XOR of every word zstd-compressed 4.4%, the gaps between changed positions (int32) + the changed
+words XORed, zstd-compressed, 3.4% and a third less encode time (zstd reads ~6 bytes per change instead of every
+byte). So a tensor travels as `sparse_zstd` where under SPARSE_BELOW of it changed, else `xor_zstd`, or dense where
+that is not smaller; zstd level 1 (as small as level 3 here, faster), one thread per core. Peers: NeMo-RL's sparse
+delta (BF16 only), verl's delta sync (no PP).
 
 Exactness, both ends (`DeltaSender`, `DeltaBase`):
 - a delta names the version it is against (`manifest["delta"]["base"]`); a receiver applies it only on that exact
@@ -21,7 +22,8 @@ Memory: each side holds one copy of the tensors it sends or receives, in the wir
 sender its own share of the export; for a rollout server the whole model): `--print-plan` prints the sender's.
 
 Wire: the bucket format of `bucket.py` unchanged, plus a manifest section `"delta": {"base": V, "codec": {name:
-{"codec": "xor_zstd", "dtype", "shape", "xxh3": hex}}}` that the bucket digest covers; a coded tensor is its
+{"codec": "sparse_zstd" | "xor_zstd", "dtype", "shape", "count" (changed words), "xxh3": hex}}}` that the bucket
+digest covers; a coded tensor is its
 compressed bytes as a 1-D uint8 tensor. JSON and safetensors only, never pickle.
 """
 
