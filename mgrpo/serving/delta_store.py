@@ -1,7 +1,7 @@
 """A rollout server's delta base: the bucket files of the version it last loaded, kept in its staging folder.
 
 A full push: the staged files load as they are, and `keep(version, paths)` makes them the base (renamed out of
-staging's way, mapped shared and writable). A delta push: `apply(version, paths)` checks every staged bucket names
+staging's way, mapped shared and writable). A delta push: `prepare(version, paths)` checks every staged bucket names
 the base's version (else `NeedFull`, nothing touched), then writes each bucket into the base files in place
 (`mgrpo.weights.delta.DeltaBase`: XOR, then each tensor's digest) and returns the base files, which the worker
 loads as it would a full push's. A digest that does not match drops the base (`NeedFull`; the sender pushes the
@@ -30,14 +30,15 @@ class DeltaStore:
     def version(self) -> int | None:
         return self.delta.version
 
-    def is_delta(self, paths: list) -> bool:
-        return any("delta" in m for m in map(_manifest, paths))
-
-    def apply(self, version: int, paths: list) -> list:
-        """Write the staged delta buckets into the base; returns the base files to load."""
+    def prepare(self, version: int, paths: list) -> tuple:
+        """(files to load, whether they are a delta applied to the base): a full push's staged files as they
+        are; a delta's buckets written into the base, whose files are returned."""
         t0 = time.perf_counter()
-        for path in paths:
-            self.delta.check(_manifest(path), version, who="rollout server")
+        manifests = [_manifest(p) for p in paths]  # headers only, read once
+        if not any("delta" in m for m in manifests):
+            return paths, False
+        for m in manifests:
+            self.delta.check(m, version, who="rollout server")
         try:
             for path in paths:
                 with open(path, "rb") as f:
@@ -53,7 +54,7 @@ class DeltaStore:
             self.forget()
             raise
         self.apply_s = time.perf_counter() - t0
-        return [p for p, _, _ in self.files]
+        return [p for p, _, _ in self.files], True
 
     def keep(self, version: int, paths: list) -> None:
         """After a load: the loaded files are the base of `version` (a full push's are renamed into place)."""

@@ -145,7 +145,7 @@ def add_weight_routes(
         return error(409, why) if why else None
 
     update.on_new_owner.append(lambda: staging.reset(None))
-    from mgrpo.serving.delta_store import DeltaStore, NeedFull
+    from mgrpo.serving.delta_store import DeltaStore
 
     store = DeltaStore(staging.dir)  # the last loaded version, kept while the trainer sends deltas
     update.on_new_owner.append(store.forget)
@@ -218,13 +218,11 @@ def add_weight_routes(
             staged = [staging.buckets[i][0] for i in range(count)]
             if store.version is not None and store.version != gate.version:
                 store.forget()  # the weights changed another way (collective, LoRA): no delta applies
-            paths, delta = staged, store.is_delta(staged)
-            if delta:
-                try:
-                    paths = await asyncio.to_thread(store.apply, version, staged)
-                except (NeedFull, OSError, ValueError) as exc:
-                    staging.reset(None)
-                    return JSONResponse({"error": str(exc), "need_full": True}, status_code=409)
+            try:
+                paths, delta = await asyncio.to_thread(store.prepare, version, staged)
+            except (OSError, ValueError) as exc:  # NeedFull and BucketError are ValueErrors
+                staging.reset(None)
+                return JSONResponse({"error": str(exc), "need_full": True}, status_code=409)
             result = await _apply(version, paths)
             if isinstance(result, dict):  # applied (an error is a response)
                 update.owner.committed(version)

@@ -255,15 +255,15 @@ class HttpBucketTransport(StreamSync):
         timing, sent_bytes, t = dict(export_s=0.0, transfer_s=0.0), {r.name: 0 for r in targets}, time.perf_counter()
         index = -1
         for index, pending in enumerate(cut_buckets(named_tensors, self.bucket_bytes)):
-            bodies = {False: (pending, None)}
+            full_body, delta_body = (pending, None), None
             if d is not None:
                 wire, section = d.encode(pending, delta=bool(gets_delta))
                 if section is not None:
-                    bodies[True] = (wire, {"delta": section})
+                    delta_body = (wire, {"delta": section})
             timing["export_s"] += time.perf_counter() - t
             t = time.perf_counter()
             for replica in list(targets):
-                items, extra = bodies[replica.name in gets_delta and True in bodies]
+                items, extra = delta_body if delta_body and replica.name in gets_delta else full_body
                 try:
                     sent_bytes[replica.name] += self._put(replica, version, index, items, extra, digests[replica.name])
                 except (ConnectionError, WeightSyncError) as exc:
