@@ -14,7 +14,9 @@ _PLAIN = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    # AutoTokenizer only when needed: its import pulls in transformers' model registry (~2.6 s per process, and
+    # every rank of a torchrun launch loads a tokenizer)
+    from transformers import PreTrainedTokenizerFast
 
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     cls = None
@@ -23,4 +25,6 @@ def load_tokenizer(model_dir: str):
             cls = json.load(f).get("tokenizer_class")
     if cls in _PLAIN and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
