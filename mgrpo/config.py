@@ -139,6 +139,10 @@ class RolloutConfig:
     engine_placement: str = "rank0"  # rank0: one engine on global rank 0 | per_dp: one per data-parallel group
     mode: str = "sync"  # sync | one_step_off | async: generation of later batches overlaps training (producer.py)
     max_staleness: Optional[int] = None  # versions a trained sample may lag (one_step_off: 1; async: default 2)
+    # one_step_off / async with the vllm engine: a push holds the requests in flight and continues them on the
+    # new weights (every token carries its version: Sample.token_versions); off: a push waits for them
+    partial: bool = False
+    recompute_kv_after_update: bool = False  # partial: held requests prefill again under the new weights (exact)
     max_num_seqs: int = 256  # rows per forward batch inside an engine (memory bound)
     max_inflight: int = 256  # single turn: requests per engine call; several in flight only for async engines
     request_timeout_s: float = 600.0  # an engine call that takes longer fails the step, naming the engine

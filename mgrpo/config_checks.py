@@ -420,6 +420,29 @@ def async_problems(cfg) -> list:
             f"rollout.mode={r.mode} with algorithm.dynamic_sampling: DAPO's resampling rounds depend on the "
             f"step's own rewards; use rollout.mode=sync"
         )
+    return e + partial_problems(cfg)
+
+
+def partial_problems(cfg) -> list:
+    """rollout.partial: in-flight weight updates need generation running during a push, and an engine that can
+    hold its requests through one (vLLM's pause_generation(mode="keep"), colocated)."""
+    r = cfg.rollout
+    if r.recompute_kv_after_update and not r.partial:
+        return ["rollout.recompute_kv_after_update=true needs rollout.partial=true (it recomputes held requests)"]
+    if not r.partial:
+        return []
+    e = []
+    if r.mode == "sync":
+        e.append(
+            "rollout.partial=true with rollout.mode=sync: nothing generates during a push; use one_step_off or async"
+        )
+    if r.engine != "vllm":
+        e.append(
+            f"rollout.partial=true with rollout.engine={r.engine}: in-flight updates are built for the colocated "
+            f"vllm engine; use rollout.engine=vllm or rollout.partial=false"
+        )
+    if r.lora_sync == "adapter" and cfg.model.lora.rank:
+        e.append("rollout.partial=true with rollout.lora_sync=adapter: not supported; use lora_sync=merged")
     return e
 
 

@@ -125,6 +125,8 @@ def step_clock(metrics: dict, timer, samples: list) -> dict:
     metrics.update({f"timing/{k}": v for k, v in timer.totals.items()})
     metrics.update({"timing/step": wall, "timing/other": max(wall - sum(timer.totals.values()), 0.0)})
     metrics["perf/tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(wall, 1e-9)
+    if "timing/wait_train" in metrics:  # ahead modes: the share of the step the engine waited for the trainer
+        metrics["rollout/engine_idle_frac"] = min(metrics["timing/wait_train"] / max(wall, 1e-9), 1.0)
     return metrics
 
 

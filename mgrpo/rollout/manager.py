@@ -183,6 +183,7 @@ class RolloutManager:
                     rollout_logprobs=list(resp.logprobs),
                     group_id=first_group + i,
                     weight_version=min(resp.weight_versions, default=0),
+                    token_versions=list(resp.weight_versions),
                     finish_reason=resp.finish_reason,
                     messages=rows[i]["messages"],
                     info=dict(extra, engine=resp.served_by or self.engine.name),
@@ -397,7 +398,8 @@ def push_weights(
     `adapter_only`: the export streams LoRA factors (PEFT names), not merged weights. Returns the sync/ metrics:
     `sync/bytes`, the HF tensor bytes streamed to this rank (None where the transport streams none: per-stage
     senders), and with deltas (rollout.remote.delta) `sync/wire_bytes`, `sync/delta_changed` (fraction of the
-    elements that changed) and `sync/full_fallbacks` (servers that needed the whole version)."""
+    elements that changed) and `sync/full_fallbacks` (servers that needed the whole version); from a colocated
+    vLLM engine `sync/held_requests` (requests a partial push continued) and `sync/generation_paused_s`."""
     export, error, receipt = Export(model_chunks, owners, bucket_bytes, adapter_only), None, None
     try:
         receipt = sync.push(export, version)
@@ -410,4 +412,7 @@ def push_weights(
         out["sync/wire_bytes"] = receipt.get("bytes")
         out["sync/delta_changed"] = delta["changed"] / max(delta["elements"], 1)
         out["sync/full_fallbacks"] = len(delta["full_fallback"])
+    if isinstance(receipt, dict) and "held_requests" in receipt:  # colocated vLLM: what the push paused
+        out["sync/held_requests"] = receipt["held_requests"]  # continued on the new weights (rollout.partial)
+        out["sync/generation_paused_s"] = receipt["total_s"]
     return out

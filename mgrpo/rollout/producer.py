@@ -8,8 +8,11 @@ with the same sampling seeds in every mode; only the weights that generated them
 
 A weight push between optimizer steps waits for the engine's call in flight (every engine pauses new generation
 for an update and lets the running call finish: vLLM's server gate, the HF engine's, SGLang's `pause_generation`
-mode `abort` is not used), so each batch comes from one weight version and no response mixes versions.
-Staleness = the version being trained - the version that generated a sample; groups over `max_staleness` are
+mode `abort` is not used), so each batch comes from one weight version and no response mixes versions. With
+`rollout.partial` (the vllm engine) a push holds the requests in flight instead and continues them on the new
+weights (verl's partial rollout, AReaL's interruptible generation): a response may span versions, and each token
+carries the version that sampled it and that version's logprob (`Sample.token_versions`, `rollout_logprobs`).
+Staleness = the version being trained - the oldest version in a sample; groups over `max_staleness` are
 dropped and counted (with this producer they never are unless a run is resumed with a smaller bound).
 `max_staleness: 0` in async mode runs the same machinery with nothing ahead: bitwise the sync run.
 
@@ -36,6 +39,30 @@ def staleness_bound(rollout_cfg) -> int:
     if rollout_cfg.mode == "one_step_off":
         return 1
     return 2 if rollout_cfg.max_staleness is None else rollout_cfg.max_staleness
+
+
+def token_staleness(samples: list, version: int) -> dict:
+    """Per-token staleness (partial rollout: a response's tokens may come from several versions) and how many
+    responses span more than one version."""
+    stale = [version - v for s in samples for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
+    return {
+        "async/token_staleness_mean": sum(stale) / max(len(stale), 1),
+        "async/token_staleness_max": max(stale, default=0),
+        "rollout/partial_samples": sum(len(set(s.token_versions or ())) > 1 for s in samples),
+    }
+
+
+def oldest_version(sample: Sample) -> int:
+    """The version of a sample's oldest token (its `weight_version`, unless its tokens say otherwise)."""
+    return min(sample.token_versions) if sample.token_versions else sample.weight_version
+
+
+def fresh_groups(samples: list, version: int, bound: int) -> tuple:
+    """Samples whose group is within the staleness bound (by each sample's oldest token: a partial response is as
+    stale as its first token), how many were dropped, and the kept ones' staleness."""
+    too_old = {s.group_id for s in samples if version - oldest_version(s) > bound}
+    kept = [s for s in samples if s.group_id not in too_old]
+    return kept, len(samples) - len(kept), [version - oldest_version(s) for s in kept]
 
 
 class _Shared(list):
@@ -98,15 +125,13 @@ class RolloutProducer:
             "async/discarded": dropped,
             "async/staleness_mean": sum(stale) / max(len(stale), 1),
             "async/staleness_max": max(stale, default=0),
+            **token_staleness(samples, version),
         }
         self.idle = 0.0
         return samples, {**(metrics if self.threaded else {}), **self.manager.fault_metrics()}
 
     def _fresh(self, samples: list, version: int) -> tuple:
-        """Samples whose group is within the staleness bound, how many were dropped, and the kept ones' staleness."""
-        too_old = {s.group_id for s in samples if version - s.weight_version > self.k}
-        kept = [s for s in samples if s.group_id not in too_old]
-        return kept, len(samples) - len(kept), [version - s.weight_version for s in kept]
+        return fresh_groups(samples, version, self.k)
 
     def settle(self) -> list:
         """Wait for every batch in flight and share it (a collective): [[step, [sample dicts]]] for a checkpoint,

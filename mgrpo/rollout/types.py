@@ -50,6 +50,9 @@ class Sample:
     info: dict = field(default_factory=dict)  # JSON-serialisable extras (dataset columns, per-reward scores)
     # MoE: the engine's experts for prompt + response[:-1], [tokens, moe_layers, topk] (encode_routing), or None
     routed_experts: Optional[dict] = None
+    # the weight version that sampled each response token (partial rollout: a response may span versions; an
+    # environment-written token carries the version of the turn before it), or None; weight_version is the oldest
+    token_versions: Optional[list] = None
 
     def __post_init__(self):
         if len(self.loss_mask) != len(self.response_ids):
@@ -59,6 +62,8 @@ class Sample:
             )
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError("rollout_logprobs must be None or as long as response_ids")
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError("token_versions must be None or as long as response_ids")
 
 
 def sample_dict(sample: "Sample") -> dict:

@@ -124,6 +124,7 @@ class EngineServer:
         if self.asleep:
             raise RuntimeError(f"engine is asleep ({', '.join(sorted(self.asleep))}): wake it before generating")
         version, lora = self.version, self.lora
+        salt = {"cache_salt": f"v{version}"}  # no block computed under other weights is reused (update "keep")
 
         async def one(req):
             sp = SamplingParams(
@@ -145,7 +146,7 @@ class EngineServer:
             self.requests_peak = max(self.requests_peak, self.requests_inflight)
             try:
                 async for out in self.llm.generate(
-                    TokensPrompt(prompt_token_ids=req["prompt_ids"]), sp, rid, lora_request=lora
+                    TokensPrompt(prompt_token_ids=req["prompt_ids"], **salt), sp, rid, lora_request=lora
                 ):
                     final = out
             finally:
@@ -155,7 +156,8 @@ class EngineServer:
             ids = list(c.token_ids)
             lps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-            out = {"token_ids": ids, "logprobs": lps, "finish_reason": reason, "weight_versions": [version] * len(ids)}
+            versions = token_versions(c.weight_versions, len(ids), version)
+            out = {"token_ids": ids, "logprobs": lps, "finish_reason": reason, "weight_versions": versions}
             if getattr(c, "routed_experts", None) is not None:  # [tokens run, moe_layers, topk]
                 n = len(req["prompt_ids"]) + len(ids) - 1
                 out["routed_experts"] = encode_routing(c.routed_experts[:n])
@@ -163,30 +165,55 @@ class EngineServer:
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
-    async def update(self, version: int, channel: str, reset_cache: bool = True) -> dict:
-        """Pause generation (wait for calls in flight, hold new ones), load every bucket through the worker,
-        reset the prefix cache (vLLM's reload does not: cached KV of the old weights would be reused), stamp
-        the version, resume. This server is the engine's only client, so its gate is the pause; vLLM's own
-        pause_generation (a fixed 20 ms sleep) is not needed on top."""
+    async def update(self, version: int, channel: str, reset_cache: bool = True, in_flight: str = "finish") -> dict:
+        """Pause generation, load every bucket through the worker, reset the prefix cache (vLLM's reload does
+        not: cached KV of the old weights would be reused), stamp the version in vLLM's engine core, resume.
+
+        `in_flight` says what happens to requests already running (issue 56, partial rollout):
+        - "finish": the calls in flight finish on the old weights first (this server is the engine's only
+          client, so its gate is the pause); every response comes from one version.
+        - "keep": vLLM's `pause_generation(mode="keep", clear_cache=False)` freezes them where they are; they
+          continue on the new weights, attending over the KV cache their prefix got under the old ones (what
+          verl's partial rollout and AReaL's interruptible generation do). Requests that start later get a
+          cache salt of their version, so no new request reuses a block computed under other weights.
+        - "recompute": the same pause with `clear_cache=True`: vLLM preempts the running requests and drops
+          every cached block; on resume each one's prefix is prefilled again under the new weights, so every
+          token after the update is exactly the new policy's (NeMo-RL's
+          `recompute_kv_cache_after_weight_updates`), at the cost of one prefill per request in flight.
+        Either way vLLM's engine core stamps each output with the version (`set_weight_version`), and every
+        token's version comes back in the response (`CompletionOutput.weight_versions` spans)."""
+        if in_flight not in ("finish", "keep", "recompute"):
+            raise ValueError(f"in_flight={in_flight!r}: finish | keep | recompute")
         if "weights" in self.asleep:  # on a GPU the load would write into unmapped memory
             raise RuntimeError("the engine's weights are asleep: wake them (wake_up weights) before a push")
-        t0 = time.perf_counter()
-        async with self._paused():
-            t1 = time.perf_counter()
-            results = await self.llm.collective_rpc(
-                "mgrpo_receive_weights",
-                kwargs=dict(channel=channel, token=self.token, expected=self.expected, optional=self.optional),
-            )
-            t2 = time.perf_counter()
-            error, poisoned = worker_outcome(results)
-            if error:
-                self.poisoned = poisoned
-                raise RuntimeError(poisoned or error)
-            if reset_cache and not await self.llm.reset_prefix_cache():
-                self.poisoned = "vLLM refused to reset the prefix cache after an update"
-                raise RuntimeError(self.poisoned)
-            self.version = version
-            self._phase("update")
+        t0, requests = time.perf_counter(), self.requests_inflight
+        held = in_flight != "finish"  # requests in flight stay inside vLLM, frozen, through the load
+        async with self._paused(wait_for_calls=not held):
+            if held:
+                await self.llm.pause_generation(mode="keep", clear_cache=in_flight == "recompute")
+                reset_cache = False  # "recompute" cleared it; "keep" cannot while requests hold blocks: salted
+            try:
+                t1 = time.perf_counter()
+                results = await self.llm.collective_rpc(
+                    "mgrpo_receive_weights",
+                    kwargs=dict(channel=channel, token=self.token, expected=self.expected, optional=self.optional),
+                )
+                t2 = time.perf_counter()
+                error, poisoned = worker_outcome(results)
+                if error:
+                    self.poisoned = poisoned
+                    raise RuntimeError(poisoned or error)
+                if reset_cache and not await self.llm.reset_prefix_cache():
+                    self.poisoned = "vLLM refused to reset the prefix cache after an update"
+                    raise RuntimeError(self.poisoned)
+                await self.llm.engine_core.set_weight_version_async(str(version))
+                self.version = version
+                self._phase("update")
+            finally:
+                if held:  # a half-applied update must not sample: its held requests end as aborted
+                    if self.poisoned:
+                        await self.llm.pause_generation(mode="abort", clear_cache=False)
+                    await self.llm.resume_generation()
         return dict(
             results[0]["receipt"],
             version=version,
@@ -197,6 +224,7 @@ class EngineServer:
             rpc_s=t2 - t1,
             reset_s=time.perf_counter() - t2,
             total_s=time.perf_counter() - t0,
+            held_requests=requests if held else 0,  # continued on the new weights (partial rollout)
         )
 
     async def sleep(self, level: int) -> dict:
@@ -229,14 +257,16 @@ class EngineServer:
         print(f"mgrpo engine phase: {name} (version {self.version})", flush=True)
 
     @contextlib.asynccontextmanager
-    async def _paused(self):
-        """Generation paused (calls in flight finish, new ones wait) for as long as an update runs."""
+    async def _paused(self, wait_for_calls: bool = True):
+        """New calls wait for as long as an update runs; with `wait_for_calls` the calls in flight finish first
+        (without it, vLLM's own pause holds their requests: `update`)."""
         if self.poisoned:
             raise RuntimeError(f"engine is poisoned by an earlier update: {self.poisoned}")
         async with self.gate:
             await self.gate.wait_for(lambda: not self.updating)
             self.updating = True
-            await self.gate.wait_for(lambda: self.inflight == 0)
+            if wait_for_calls:
+                await self.gate.wait_for(lambda: self.inflight == 0)
         try:
             yield
         finally:
@@ -284,7 +314,9 @@ class EngineServer:
                 if op == "generate":
                     result = await self.generate(msg["requests"], msg["sampling"], msg.get("eos"))
                 elif op == "update":
-                    result = await self.update(msg["version"], msg["channel"], msg.get("reset_cache", True))
+                    result = await self.update(
+                        msg["version"], msg["channel"], msg.get("reset_cache", True), msg.get("in_flight", "finish")
+                    )
                 elif op == "sleep":
                     result = await self.sleep(int(msg["level"]))
                 elif op == "wake_up":
@@ -318,11 +350,27 @@ class EngineServer:
             writer.close()
 
     async def serve(self) -> None:
+        await self.llm.engine_core.set_weight_version_async(str(self.version))  # vLLM's own label: "default"
         server = await asyncio.start_unix_server(self.handle, path=self.spec["socket"], limit=local_rpc.MAX_MESSAGE)
         os.chmod(self.spec["socket"], 0o600)
         async with server:
             await self.stop.wait()
         self.llm.shutdown()
+
+
+def token_versions(spans, n: int, version: int) -> list:
+    """Each output token's weight version, from vLLM's `WeightVersionSpan`s (`[start, end)` sampled by weights
+    labelled `version`), or `version` for all when vLLM reported none."""
+    if not spans:
+        return [version] * n
+    out = [version] * n
+    for span in spans:
+        try:
+            label = int(span.version)
+        except ValueError:  # vLLM's own "default": a token sampled before this server labelled any version
+            label = -1
+        out[span.start : span.end] = [label] * (span.end - span.start)
+    return out
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import diffs_after_push, reqs, run, trainer_actor, worst_diff
+from engine_helpers import diffs_after_push, reqs, run, trainer_actor, trainer_logprobs, worst_diff
 from procs import group_alive
 
 from mgrpo.rollout.engines.vllm import VLLMEngine
@@ -182,6 +182,74 @@ def test_an_update_waits_for_generation_in_flight(single_rank, engine, dirs):
     assert all(o.weight_versions == [old] * 96 for o in result["out"])
     after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=1.0, max_tokens=4))
     assert all(o.weight_versions == [new] * len(o.token_ids) for o in after)
+
+
+def _partial_push(engine, dirs, in_flight: str) -> tuple:
+    """A push of `other` while 16 requests of 96 tokens generate on `new`, with the engine's `in_flight` mode.
+    Returns (requests, responses, old version, new version, the receipt)."""
+    import threading
+
+    _, old = push(engine, dirs["new"])
+    many = reqs(seed=8, n=4)
+    result = {}
+    sp = SamplingParams(temperature=T, max_tokens=96, ignore_eos=True)
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, many, sp)))
+    engine.in_flight = in_flight
+    try:
+        worker.start()
+        deadline = time.time() + 60
+        while engine.stats()["requests_inflight"] < len(many) and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.15)  # some tokens on the old weights
+        receipt, new = push(engine, dirs["other"])
+        worker.join(timeout=120)
+    finally:
+        engine.in_flight = "finish"
+    return many, result["out"], old, new, receipt
+
+
+def _per_version_diffs(requests, outs, dirs, old, new) -> tuple:
+    """(largest |engine - trainer| over tokens of the old version, over tokens of the new one, how many responses
+    span both): each token against the trainer's forward with the weights of the version that sampled it."""
+    worst_old, worst_new, spanning = 0.0, 0.0, 0
+    for r, o in zip(requests, outs):
+        versions = torch.tensor(o.weight_versions)
+        b = int((versions == old).sum())
+        assert o.weight_versions == [old] * b + [new] * (len(o.token_ids) - b), "versions change once, in order"
+        spanning += 0 < b < len(o.token_ids)
+        got = torch.tensor(o.logprobs)
+        for model, part, lo, hi in (("new", "old", 0, b), ("other", "new", b, len(o.token_ids))):
+            if hi > lo:
+                ref = trainer_logprobs(dirs[model], r.prompt_ids, o.token_ids, T)[lo:hi]
+                d = float((ref - got[lo:hi]).abs().max())
+                worst_old, worst_new = (
+                    (max(worst_old, d), worst_new) if part == "old" else (worst_old, max(worst_new, d))
+                )
+    return worst_old, worst_new, spanning
+
+
+def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single_rank, engine, dirs):
+    """rollout.partial (issue 56): a push in the middle of a generate call holds its requests inside vLLM
+    (pause_generation mode "keep") and continues them on the new weights. Every token carries the version that
+    sampled it (vLLM's engine-core labels) and that version's logprob: with the KV cache recomputed
+    ("recompute"), each token equals the trainer's forward under its own version (<= 1e-4), before and after
+    the boundary. Negative control ("keep", the default): the tokens after the boundary attend over KV computed
+    under the old weights, and differ from the new weights' forward by far more."""
+    requests, outs, old, new, receipt = _partial_push(engine, dirs, "recompute")
+    exact_old, exact_new, spanning = _per_version_diffs(requests, outs, dirs, old, new)
+    requests, outs, old_k, new_k, receipt_k = _partial_push(engine, dirs, "keep")
+    kept_old, kept_new, spanning_k = _per_version_diffs(requests, outs, dirs, old_k, new_k)
+    print(
+        f"partial push over {receipt['held_requests']} / {receipt_k['held_requests']} held requests "
+        f"({spanning} / {spanning_k} responses span two versions; paused {receipt['total_s']:.3f} / "
+        f"{receipt_k['total_s']:.3f} s): max |engine - trainer of the token's version| recompute old "
+        f"{exact_old:.1e} new {exact_new:.1e}; keep old {kept_old:.1e} new {kept_new:.2f}"
+    )
+    assert spanning >= 4 and spanning_k >= 4 and receipt["held_requests"] == 16
+    assert exact_old <= 1e-4 and exact_new <= 1e-4 and kept_old <= 1e-4
+    assert kept_new > 1e-2, "negative control: without the recompute the old KV must show after the boundary"
+    after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=T, max_tokens=8))
+    assert worst_diff(after, reqs(seed=8, n=1), dirs["other"], T) <= 1e-4, "a new request: no old-weight blocks"
 
 
 def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single_rank, engine, dirs, monkeypatch):

@@ -115,6 +115,7 @@ class VLLMEngine:
         lora_rank: int | None = None,
         devices: list | None = None,
         sleep_level: int = 0,
+        in_flight: str = "finish",
     ):
         import torch
 
@@ -122,6 +123,7 @@ class VLLMEngine:
         self.workers, self.devices = tensor_parallel_size, list(devices or [])  # each worker connects per update
         self.update_ring, self.update_checksum = update_ring, update_checksum
         self.update_timeout_s = update_timeout_s  # one weight update, end to end (the control socket's deadline)
+        self.in_flight = in_flight  # a push: requests in flight finish | keep | recompute (vllm_child.update)
         self.dir = local_rpc.private_dir("mgrpo-vllm-")
         self.socket, self.token = os.path.join(self.dir, "engine.sock"), local_rpc.new_token()
         self.log_path = log_path or os.path.join(self.dir, "engine.log")
@@ -297,6 +299,14 @@ class VLLMEngine:
             self._log = None
 
 
+def in_flight_mode(rollout_cfg) -> str:
+    """What a push does to the requests in flight: `rollout.partial` holds them and continues them on the new
+    weights (their KV cache recomputed with `rollout.recompute_kv_after_update`); otherwise they finish first."""
+    if not rollout_cfg.partial:
+        return "finish"
+    return "recompute" if rollout_cfg.recompute_kv_after_update else "keep"
+
+
 @register_engine("vllm")
 def _make_vllm(cfg, model_dir: str, tokenizer, devices: list | None = None) -> VLLMEngine:
     r, v = cfg.rollout, cfg.rollout.vllm
@@ -322,6 +332,7 @@ def _make_vllm(cfg, model_dir: str, tokenizer, devices: list | None = None) -> V
         lora_rank=cfg.model.lora.rank if cfg.rollout.lora_sync == "adapter" else None,
         devices=devices,
         sleep_level=v.sleep_level,
+        in_flight=in_flight_mode(r),
     )
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log, "devices": engine.devices}, f)

@@ -71,6 +71,7 @@ class RolloutScheduler:
             finish_reason=choice.finish_reason,
             response=response,
             weight_version=choice.weight_version,
+            token_versions=turn_versions(choice, len(choice.token_ids)),
         )
 
     @staticmethod
@@ -88,13 +89,21 @@ class RolloutScheduler:
         return list(response_choice.token_logprobs or [])
 
 
+def turn_versions(choice: ResponseChoice, n: int) -> list:
+    """The versions of a turn's n tokens: the engine's per-token versions (the first n: a scheduler may drop the
+    last), or the turn's version for all when it rewrote them."""
+    versions = list(choice.token_versions or ())
+    return versions[:n] if len(versions) >= n else [choice.weight_version] * n
+
+
 class TokenStream:
     """What followed the initial prompt: ids, loss mask, logprobs of the mask-1 tokens (ms-swift's rule)."""
 
     def __init__(self):
         self.ids, self.mask, self.logprobs, self.versions = [], [], [], []
 
-    def add(self, ids: list, mask: list, logprobs: list = ()) -> None:
+    def add(self, ids: list, mask: list, logprobs: list = (), versions: list | None = None) -> None:
+        """`versions`: the weight version of each token; None: the latest so far (environment tokens)."""
         if len(mask) != len(ids):
             raise SchedulerError(
                 f"response_loss_mask has {len(mask)} entries for {len(ids)} response_token_ids; "
@@ -105,11 +114,12 @@ class TokenStream:
         self.ids += list(ids)
         self.mask += list(mask)
         self.logprobs += list(logprobs)
+        self.versions += list(versions) if versions is not None else [max(self.versions, default=0)] * len(ids)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (and the logprobs of the mask-1 ones among them)."""
         self.logprobs = self.logprobs[: sum(self.mask[:n])] if len(self.logprobs) == sum(self.mask) else []
-        self.ids, self.mask = self.ids[:n], self.mask[:n]
+        self.ids, self.mask, self.versions = self.ids[:n], self.mask[:n], self.versions[:n]
 
 
 class MultiTurnScheduler(RolloutScheduler):
@@ -157,7 +167,12 @@ class MultiTurnScheduler(RolloutScheduler):
             if "done" in result:
                 stop = bool(result["done"])
             if stop or (self.max_turns and turn >= self.max_turns):
-                stream.add(choice.token_ids, [1] * len(choice.token_ids), choice.token_logprobs)
+                stream.add(
+                    choice.token_ids,
+                    [1] * len(choice.token_ids),
+                    choice.token_logprobs,
+                    turn_versions(choice, len(choice.token_ids)),
+                )
                 break
             ret = self.step(req, choice, turn)
             ret = await ret if inspect.isawaitable(ret) else ret
@@ -185,6 +200,7 @@ class MultiTurnScheduler(RolloutScheduler):
             response=response,
             weight_version=version or 0,
             prompt_ids=prompt,
+            token_versions=stream.versions,
         )
 
     def _append_turn(
@@ -221,5 +237,5 @@ class MultiTurnScheduler(RolloutScheduler):
             ids, mask = ids[:-1], mask[:-1]
         elif closes and env[0] == eos:  # the model closed its turn itself
             env = env[1:]
-        stream.add(ids, mask, lps)
+        stream.add(ids, mask, lps, turn_versions(choice, len(ids)))
         stream.add(env, [0] * len(env))

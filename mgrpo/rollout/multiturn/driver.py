@@ -61,6 +61,7 @@ class TurnClient:
             resp.finish_reason,
             list(resp.logprobs),
             min(resp.weight_versions, default=0),
+            token_versions=list(resp.weight_versions),
         )
         return ChatResponse([choice])
 
@@ -175,6 +176,7 @@ def to_sample(
         rollout_logprobs=logprobs,
         group_id=group_id,
         weight_version=out.weight_version,
+        token_versions=list(out.token_versions) if len(out.token_versions or ()) == len(ids) else None,
         finish_reason=out.finish_reason,
         messages=out.messages,
         info=extra,

@@ -40,8 +40,9 @@ class ResponseChoice:
     token_ids: list
     finish_reason: str  # stop | length | abort
     token_logprobs: list
-    weight_version: int = 0
+    weight_version: int = 0  # the oldest of token_versions
     index: int = 0
+    token_versions: list = field(default_factory=list)  # the version that sampled each token (partial rollout)
 
     @property
     def logprobs(self) -> dict:
@@ -71,6 +72,7 @@ class RolloutOutput:
     response: Optional[ChatResponse] = None
     weight_version: int = 0
     prompt_ids: Optional[list] = None  # the initial prompt when on_trajectory_start rewrote it
+    token_versions: list = field(default_factory=list)  # flat, one per response token (environment: its turn's)
 
 
 def flatten(parts: list) -> list:

@@ -137,6 +137,8 @@ class SharedMemoryTransport(StreamSync):
                     "version": version,
                     "channel": self.channel,
                     "reset_cache": reset_cache,
+                    # requests in flight: finish first, or held and continued on the new weights (partial)
+                    "in_flight": getattr(self.engine, "in_flight", "finish"),
                 },
             )
             try:

@@ -292,3 +292,33 @@ def test_message_tokens_match_the_template(tok):
     full = tok.apply_chat_template(history + new, tokenize=False, add_generation_prompt=True)
     tail = MessageTokens(tok).render_tail(new)
     assert full.endswith(tail) and tail.startswith("<|im_end|>\n<|im_start|>user\nmore")
+
+
+class VersionedEngine(ScriptedEngine):
+    """Turn k's tokens come from weight version k, except that turn 2 straddles a push (its second half: 3)."""
+
+    async def generate(self, requests, sampling):
+        out = await super().generate(requests, sampling)
+        for r, o in zip(requests, out):
+            turn = int(r.request_id.rsplit("-t", 1)[1])
+            half = len(o.token_ids) // 2
+            o.weight_versions = [turn] * half + [turn + (turn == 2)] * (len(o.token_ids) - half)
+        return out
+
+
+def test_token_versions_follow_every_turn(tok):
+    """Partial rollout across turns: each model token keeps the version that sampled it (turn 2 spans 2 and 3),
+    environment tokens carry the latest version before them, and the sample's weight_version is the oldest."""
+    guesses = {1: "3", 2: "9 is my guess", 3: "5"}
+    script = lambda uuid, turn, _: guesses[turn]  # noqa: E731
+    rows = [{"prompt": "x", "messages": [{"role": "user", "content": "x"}], "target": 5}]
+    scheduler = multi_turns["gym"](None, 6, tokenizer=tok, gym_env="guess_number")
+    (s,), _, _ = rollout(tok, scheduler, script, rows, engine=VersionedEngine(tok, script))
+    assert s.info["num_turns"] == 3 and len(s.token_versions) == len(s.response_ids)
+    model = [v for v, m in zip(s.token_versions, s.loss_mask) if m]
+    turn1 = len(enc(tok, "3")) + 1
+    turn2 = len(enc(tok, "9 is my guess")) + 1
+    assert model == [1] * turn1 + [2] * (turn2 // 2) + [3] * (turn2 - turn2 // 2) + [3] * (len(model) - turn1 - turn2)
+    env = [v for v, m in zip(s.token_versions, s.loss_mask) if not m]
+    assert set(env[: env.index(3)]) == {1} and set(env[env.index(3) :]) == {3}
+    assert s.weight_version == 1
