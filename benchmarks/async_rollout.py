@@ -11,6 +11,11 @@ run's own R and T are printed beside them. A colocated engine on the trainer's o
 overlap (both halves want the same cores).
 
     python benchmarks/async_rollout.py [--model 100m|tiny] [--steps 6] [--warmup 2]
+    python benchmarks/async_rollout.py --partial [--model tiny] [--tail 8]   # long tail: + async with partial rollout
+
+`--partial` (benchmarks/async_partial.py) runs the colocated vLLM engine on core 1 under a long-tailed batch and
+adds async + `rollout.partial`; its line: result: ... partial_vs_max=... partial_engine_idle_frac=...
+one_step_off_vs_max=...
 
 Ends with one line: result: sync_s=... one_step_off_s=... async_s=... max_s=... sum_s=... one_step_off_vs_max=...
 (per-step medians after warm-up; one_step_off_vs_max = one_step_off_s / max_s of the same run, the goal is <= 1.10)
@@ -31,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from async_partial import run_partial  # noqa: E402
 from weight_sync import MODELS, TOKEN, start_server  # noqa: E402  (the ~100M model and the server of that bench)
 
 MODES = [
@@ -106,12 +112,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--partial", action="store_true", help="long-tailed batches, + async with rollout.partial")
+    ap.add_argument("--tail", type=int, default=8, help="--partial: the long prompts ask for this many x the tokens")
     args = ap.parse_args()
     from mgrpo.models.tiny import make_tiny_hf
     from mgrpo.parallel.distributed import free_port
 
     work = tempfile.mkdtemp(prefix="mgrpo-async-bench-")
     model = make_tiny_hf(os.path.join(work, "model"), seed=0, **MODELS[args.model])
+    if args.partial:
+        return run_partial(args, work, model)
     port = free_port()
     os.environ.update(pinned())
     real_popen = subprocess.Popen

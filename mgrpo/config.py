@@ -108,6 +108,9 @@ class VLLMConfig:
     #                                    k >= 2 = stream through k buckets (bounded memory; GPU default 2)
     update_checksum: bool = False  # sha256 every bucket (the buffers never leave the machine)
     sleep_level: int = 0  # 0 awake | 1 weights to host, KV cache dropped | 2 both dropped, while the trainer trains
+    # CPU cores the engine's processes run on (os.sched_setaffinity; null: the owner's): keeps a CPU engine off the
+    # trainer's cores, e.g. benchmarks/async_rollout.py's two emulated machines
+    cpu_affinity: Optional[list] = None
 
 
 @dataclass
@@ -152,6 +155,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off; the engine samples with exactly temperature/top_p/top_k, nothing from generation_config
     max_tokens: int = 32
+    ignore_eos: bool = (
+        False  # every response runs to its max_tokens (verl's rollout.ignore_eos; benchmarks: fixed lengths)
+    )
     update_bucket_mb: int = 256  # weight-sync bucket size
     lora_sync: str = "merged"  # LoRA runs: merged (base + B·A, any engine) | adapter (PEFT adapter only, vLLM engines)
     scheduler: Optional[str] = (

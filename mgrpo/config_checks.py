@@ -79,6 +79,13 @@ def check_vllm(r) -> list:
     )
     e += must("rollout.vllm.kv_cache_gb", v.kv_cache_gb, v.kv_cache_gb > 0, "> 0", "the CPU KV cache in GB, e.g. 1")
     e += must("rollout.vllm.tensor_parallel_size", v.tensor_parallel_size, v.tensor_parallel_size >= 1, ">= 1")
+    if v.cpu_affinity is not None:
+        import os
+
+        cores = list(range(os.cpu_count() or 1))  # not this process's own affinity: taskset may have narrowed it
+        given = v.cpu_affinity if isinstance(v.cpu_affinity, list) else [v.cpu_affinity]
+        if not given or any(isinstance(c, bool) or not isinstance(c, int) or c not in cores for c in given):
+            e.append(f"rollout.vllm.cpu_affinity={v.cpu_affinity!r}: a list of this machine's cores {cores}, or null")
     return e
 
 

@@ -27,6 +27,16 @@ from mgrpo.stopping import within
 from mgrpo.weights.sync import Export, NoEngine, WeightSync
 
 
+def row_max_tokens(row: dict):
+    """A data row's own response-length limit (column `max_tokens`), or None for rollout.max_tokens."""
+    value = row.get("max_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"data column max_tokens={value!r}: a positive integer (this prompt's response limit)")
+    return value
+
+
 class RolloutError(RuntimeError):
     """A step's rollout failed (an engine timed out or raised); the message names the engine."""
 
@@ -84,7 +94,9 @@ class RolloutManager:
 
     def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
+        return SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos
+        )
 
     def requests_for(self, rows: list, step: int, prompt_indices, n: int, first: int = 0, tag: str = "") -> list:
         """n requests per prompt, seeded per sample by (step, prompt index first + i, sample index)."""
@@ -94,6 +106,7 @@ class RolloutManager:
                 prompt_ids(self.tokenizer, rows[i], self.cfg.data.apply_chat_template),
                 request_seed(seed, step, first + i, j),
                 f"{tag}{step}-{first + i}-{j}",
+                row_max_tokens(rows[i]),
             )
             for i in prompt_indices
             for j in range(n)

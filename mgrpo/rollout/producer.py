@@ -26,6 +26,7 @@ verl/trainer/ppo/rollout_corr_helper.py). With one update per batch pi_old is th
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,22 +77,33 @@ class RolloutProducer:
         self.cfg, self.manager, self.prompts, self.total = cfg, manager, prompts, total_steps
         self.k = staleness_bound(cfg.rollout)
         self.threaded = cfg.rollout.mode != "sync"
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.threaded else None
+        # partial: the batches in flight generate at once (the next batch's requests fill the slots a long tail
+        # leaves; a push no longer waits for them); otherwise one after the other
+        workers = max(1, self.k) if cfg.rollout.partial else 1
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout") if self.threaded else None
+        self.lock, self.running = threading.Lock(), 0  # batches generating now (owners)
         self.pending = {}  # step -> rows (sync), Future of the owner's payload, None (no engine here), or _Shared
         self.next_draw = None  # the first step whose prompts are not drawn yet
         self.idle_since, self.idle = time.perf_counter(), 0.0  # the engine waiting for the trainer (owners)
         self.generate_s: dict = {}  # step -> seconds its batch took to generate and score (owners)
 
     def _generate(self, rows: list, step: int) -> dict:
-        """One batch on this owner's engine; the gap since the previous batch ended is engine idle time (a batch
-        queued behind another starts when it ends: no gap)."""
+        """One batch on this owner's engine; time with no batch generating is engine idle time (a batch queued
+        behind another starts when it ends: no gap)."""
         start = time.perf_counter()
-        self.idle += start - self.idle_since
+        with self.lock:
+            if self.running == 0:
+                self.idle += start - self.idle_since
+            self.running += 1
         try:
             return self.manager.generate_local(rows, step)
         finally:
-            self.idle_since = time.perf_counter()
-            self.generate_s[step] = self.idle_since - start  # the producer's own time on this batch
+            end = time.perf_counter()
+            with self.lock:
+                self.running -= 1
+                if self.running == 0:
+                    self.idle_since = end
+            self.generate_s[step] = end - start  # the producer's own time on this batch
 
     def _draw_through(self, last: int) -> None:
         """Draw prompts (every rank, in step order) and start generation (owners, threaded modes) up to `last`."""

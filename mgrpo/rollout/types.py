@@ -24,6 +24,7 @@ class GenerationRequest:
     prompt_ids: list
     seed: int  # the request's own sampling stream (see mgrpo.rollout.engine.request_seed)
     request_id: str = ""
+    max_tokens: Optional[int] = None  # this request's own limit (a data row's `max_tokens`); None: the sampling's
 
 
 @dataclass

@@ -132,7 +132,7 @@ class EngineServer:
                 temperature=sampling["temperature"],
                 top_p=sampling["top_p"],
                 top_k=sampling["top_k"],
-                max_tokens=sampling["max_tokens"],
+                max_tokens=req.get("max_tokens") or sampling["max_tokens"],
                 seed=req["seed"],
                 logprobs=0,
                 ignore_eos=sampling["ignore_eos"],

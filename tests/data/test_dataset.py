@@ -177,3 +177,15 @@ def test_epoch_order_is_fixed_by_the_seed_and_the_position_restores():
     with pytest.raises(DatasetError, match="dataset of 10 rows, this one has 9"):
         PromptStream(rows[:9], 4).load_state_dict(state)
     assert ids(PromptStream(rows, 4, shuffle=False).next_batch(6)) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_bad_max_tokens_column_is_named(tmp_path, tokenizer):
+    """The per-prompt response limit (column max_tokens) is checked at load, not mid-run."""
+    path = tmp_path / "limits.jsonl"
+    rows = [{"prompt": "a", "max_tokens": 8}, {"prompt": "b", "max_tokens": 0}, {"prompt": "c", "max_tokens": -3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError) as err:
+        load_prompts(str(path), tokenizer, DataConfig())
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["row 1", "row 2"]
+    assert "max_tokens=0: a positive integer" in lines[0] and "max_tokens=-3" in lines[1]

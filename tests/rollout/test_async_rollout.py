@@ -16,7 +16,7 @@ import torch
 from mgrpo.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NOISE = ("timing/", "perf/", "async/")  # times, and the ahead modes' own metrics
+NOISE = ("timing/", "perf/", "async/", "rollout/engine_idle_frac", "rollout/partial_samples")  # times, ahead modes' own
 
 
 def make(tmp_path, tiny_dirs, *extra):

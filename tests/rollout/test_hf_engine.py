@@ -161,3 +161,19 @@ def test_update_is_all_or_nothing(model_dir):
     receipt = engine.update_weights(make_buckets(iter(full), 64 << 10, version + 1, checksum=True), version + 1)
     assert engine.version == version + 1 and receipt["tensors"] == len(full) and len(receipt["digests"]) > 1
     assert all(torch.equal(before[n] * 1.5, p) for n, p in engine.model.named_parameters())
+
+
+def test_a_requests_own_max_tokens_limits_it_alone(engine):
+    """A data row's max_tokens: the request stops there (finish "length"), the others go to the sampling's limit,
+    and each keeps the tokens it would have drawn anyway (its own seeded stream)."""
+    from dataclasses import replace
+
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    base = reqs(seed=4)
+    limited = [replace(r, max_tokens=(3 if i % 2 else 20)) for i, r in enumerate(base)]
+    full, got = run(engine, base, sp), run(engine, limited, sp)
+    assert [len(o.token_ids) for o in got] == [20 if i % 2 == 0 else 3 for i in range(len(base))]
+    assert all(o.finish_reason == "length" for o in got)
+    for i, (a, b) in enumerate(zip(full, got)):
+        n = min(len(a.token_ids), len(b.token_ids))
+        assert a.token_ids[:n] == b.token_ids[:n], f"request {i}: its own stream, whatever the others' limits"

@@ -125,8 +125,9 @@ def _logits(actor, mb):
 
 def test_prefix_cache_is_reset_after_every_update(single_rank, engine, dirs):
     """Prompts of 200 tokens (longer than one 128-token KV block) generated before and after a push give
-    logprobs of the new weights. Negative control: the same push without the reset serves KV of the old
-    weights (the test would fail without it)."""
+    logprobs of the new weights. Two guards: the reset after every update, and each request's cache salt (its
+    version: partial rollout cannot reset while requests hold blocks). Negative control: new weights pushed under
+    the same version label without the reset serve KV of the old weights (the test would fail without both)."""
     g = torch.Generator().manual_seed(0)
     longs = [torch.randint(3, 290, (200,), generator=g).tolist() for _ in range(3)]
     requests = reqs(seed=9, n=1, prompts=longs)
@@ -136,7 +137,7 @@ def test_prefix_cache_is_reset_after_every_update(single_rank, engine, dirs):
     push(engine, dirs["other"])
     fresh = worst_diff(run(engine, requests, sp), requests, dirs["other"], T)
     run(engine, requests, sp)  # cache now holds KV of `other`
-    version = next(_versions)
+    version = engine.health()["version"]  # the same label: the same salt
     transport = engine.weight_transport(1 << 20)
     try:
         from mgrpo.weights.export import export_hf
@@ -250,6 +251,16 @@ def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single
     assert kept_new > 1e-2, "negative control: without the recompute the old KV must show after the boundary"
     after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=T, max_tokens=8))
     assert worst_diff(after, reqs(seed=8, n=1), dirs["other"], T) <= 1e-4, "a new request: no old-weight blocks"
+
+
+def test_a_requests_own_max_tokens_limits_it_alone(engine):
+    """A data row's max_tokens reaches vLLM per request: that request stops there, the others go on."""
+    from dataclasses import replace
+
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    limited = [replace(r, max_tokens=(3 if i % 2 else 40)) for i, r in enumerate(reqs(seed=4))]
+    got = run(engine, limited, sp)
+    assert [len(o.token_ids) for o in got] == [40 if i % 2 == 0 else 3 for i in range(len(limited))]
 
 
 def test_tampered_or_incomplete_update_is_rejected_and_old_version_serves(single_rank, engine, dirs, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -94,13 +95,15 @@ class HFEngine:
                 layer_picks.clear()
 
         hooks = [r.register_forward_hook(picked) for r in self._routers]
+        limits = [r.max_tokens or sp.max_tokens for r in requests]  # each request's own (a data row's max_tokens)
         try:
-            rows, lps = self._sample(requests, sp)
+            rows, lps = self._sample(requests, replace(sp, max_tokens=max(limits)))
         finally:
             for h in hooks:
                 h.remove()
         out_ = []
         for i, (r, row, lp) in enumerate(zip(requests, rows, lps)):
+            row, lp = row[: limits[i]], lp[: limits[i]]
             stop = (not sp.ignore_eos) and self.eos in row
             end = row.index(self.eos) + 1 if stop else len(row)
             routed = None

@@ -270,7 +270,7 @@ class RemoteEngine:
     def request_body(self, req, sampling: SamplingParams) -> dict:
         return {
             "prompt": list(req.prompt_ids),
-            "max_tokens": sampling.max_tokens,
+            "max_tokens": req.max_tokens or sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k or -1,

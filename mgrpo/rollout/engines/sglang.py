@@ -33,7 +33,7 @@ class SGLangEngine(RemoteEngine):
 
     def request_body(self, req, sampling: SamplingParams) -> dict:
         params = {
-            "max_new_tokens": sampling.max_tokens,
+            "max_new_tokens": req.max_tokens or sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k or TOP_K_ALL,

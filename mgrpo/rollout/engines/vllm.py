@@ -116,6 +116,7 @@ class VLLMEngine:
         devices: list | None = None,
         sleep_level: int = 0,
         in_flight: str = "finish",
+        cpu_affinity: list | None = None,
     ):
         import torch
 
@@ -146,6 +147,7 @@ class VLLMEngine:
             sleep_level=sleep_level,
         )  # LoRA adapter-only sync: vLLM serves the base + a LoRARequest
         self._spec, self._env = spec, _child_env(kv_cache_gb, routed_experts, self.devices)
+        self.cpu_affinity = sorted(int(c) for c in cpu_affinity) if cpu_affinity else None
         self.start_timeout_s, self.restarts = start_timeout_s, 0
         self.awaiting_push = False  # restarted, not yet given the current weights: it must not serve
         self._spawn(dict(spec, die_on_generate=_test_die_on_generate()))
@@ -161,6 +163,8 @@ class VLLMEngine:
             stderr=subprocess.STDOUT,
             env=self._env,
             start_new_session=True,
+            # vLLM's engine core and workers are its children: they inherit the cores
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpu_affinity)) if self.cpu_affinity else None,
         )
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         self.proc.stdin.close()
@@ -224,7 +228,13 @@ class VLLMEngine:
 
     async def generate(self, requests: list, sampling: SamplingParams) -> list:
         payload = [
-            {"prompt_ids": list(r.prompt_ids), "seed": int(r.seed), "request_id": r.request_id} for r in requests
+            {
+                "prompt_ids": list(r.prompt_ids),
+                "seed": int(r.seed),
+                "request_id": r.request_id,
+                "max_tokens": r.max_tokens,
+            }
+            for r in requests
         ]
         out = await local_rpc.async_call(
             self.socket, self.token, "generate", requests=payload, sampling=asdict(sampling), eos=self.eos
@@ -333,6 +343,7 @@ def _make_vllm(cfg, model_dir: str, tokenizer, devices: list | None = None) -> V
         devices=devices,
         sleep_level=v.sleep_level,
         in_flight=in_flight_mode(r),
+        cpu_affinity=v.cpu_affinity,
     )
     with open(log[:-4] + ".json", "w") as f:  # which process group to look at (and what tests check is gone)
         json.dump({"engine_pid": engine.pid, "trainer_pid": os.getpid(), "log": log, "devices": engine.devices}, f)
