@@ -59,6 +59,11 @@ def train_colocated(mode_args: list, model: str, data: str, out: str, steps: int
         *mode_args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return run_trainer(cmd, env, mode_args, out)
+
+
+def run_trainer(cmd: list, env: dict, mode_args: list, out: str) -> list:
+    """Run one trainer to the end (exit with its log's tail if it fails); its metrics.jsonl rows."""
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode:
         sys.exit(f"trainer failed ({' '.join(mode_args) or 'sync'}):\n{r.stderr[-3000:]}\n{r.stdout[-2000:]}")
@@ -66,17 +71,17 @@ def train_colocated(mode_args: list, model: str, data: str, out: str, steps: int
         return [json.loads(line) for line in f]
 
 
-def _median(rows: list, key, warmup: int) -> float:
+def median(rows: list, key, warmup: int) -> float:
     return statistics.median(key(r) for r in rows[warmup:])
 
 
 def rollout_and_train(rows: list, warmup: int) -> tuple:
     """(R, T) of a run: sync from its phases, the ahead modes from the producer's and the trainer's own clocks."""
     if "timing/generate" not in rows[-1]:
-        return _median(rows, lambda r: r["timing/rollout"], warmup), _median(
+        return median(rows, lambda r: r["timing/rollout"], warmup), median(
             rows, lambda r: r["timing/step"] - r["timing/rollout"], warmup
         )
-    return _median(rows, lambda r: r["timing/generate"], warmup), _median(
+    return median(rows, lambda r: r["timing/generate"], warmup), median(
         rows, lambda r: r["timing/step"] - r["timing/wait_rollout"], warmup
     )
 
@@ -97,14 +102,14 @@ def run_partial(args, work: str, model: str) -> None:
     print(head + f" {'tok stale':>9} {'reward':>7}")
     figures = {}
     for name, rows in runs.items():
-        step = _median(rows, lambda r: r["timing/step"], w)
+        step = median(rows, lambda r: r["timing/step"], w)
         rollout_s, train_s = rollout_and_train(rows, w)
-        idle = _median(rows, lambda r: r.get("rollout/engine_idle_frac", r["timing/step"] - r["timing/rollout"]), w)
+        idle = median(rows, lambda r: r.get("rollout/engine_idle_frac", r["timing/step"] - r["timing/rollout"]), w)
         if name == "sync":
-            idle = _median(rows, lambda r: 1 - r["timing/rollout"] / r["timing/step"], w)
-        wait = _median(rows, lambda r: r.get("timing/wait_rollout", r["timing/rollout"]), w)
+            idle = median(rows, lambda r: 1 - r["timing/rollout"] / r["timing/step"], w)
+        wait = median(rows, lambda r: r.get("timing/wait_rollout", r["timing/rollout"]), w)
         partial = sum(r.get("rollout/partial_samples", 0) for r in rows[w:]) / max(len(rows) - w, 1)
-        stale = _median(rows, lambda r: r.get("async/token_staleness_mean", 0.0), w)
+        stale = median(rows, lambda r: r.get("async/token_staleness_mean", 0.0), w)
         figures[name] = dict(step=step, max=max(rollout_s, train_s), idle=idle)
         print(
             f"{name:14} {step:7.2f} {rollout_s:6.2f} {train_s:6.2f} {step / max(rollout_s, train_s):7.2f} "

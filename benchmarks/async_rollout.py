@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from async_partial import run_partial  # noqa: E402
+from async_partial import median, run_partial, run_trainer  # noqa: E402
 from weight_sync import MODELS, TOKEN, start_server  # noqa: E402  (the ~100M model and the server of that bench)
 
 MODES = [
@@ -95,15 +94,7 @@ def train(mode_args: list, model: str, url: str, out: str, steps: int, max_token
         "false",
         *mode_args,
     ]
-    r = subprocess.run(cmd, cwd=ROOT, env=pinned(), capture_output=True, text=True, timeout=3600)
-    if r.returncode:
-        sys.exit(f"trainer failed ({' '.join(mode_args) or 'sync'}):\n{r.stderr[-3000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def median(rows: list, key, warmup: int) -> float:
-    return statistics.median(key(r) for r in rows[warmup:])
+    return run_trainer(cmd, pinned(), mode_args, out)
 
 
 def main() -> None:
