@@ -287,6 +287,7 @@ class EngineServer:
             request = LoRARequest(f"mgrpo-v{version}", version, path)
             if not await self.llm.add_lora(request):
                 raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
+            await self.llm.engine_core.set_weight_version_async(str(version))  # every token's label (update)
             previous, self.lora, self.version = self.lora, request, version
             if previous is not None and previous.lora_int_id != version:
                 await self.llm.remove_lora(previous.lora_int_id)
