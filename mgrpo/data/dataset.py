@@ -164,7 +164,7 @@ def load_prompts(path: str, tokenizer, data_cfg, field_name: str = "data.path", 
         tqdm(table, desc=f"prompts {os.path.basename(path)}", unit="row", disable=not progress or len(table) < 5000)
     ):
         messages, why = row_messages(row, pk, mk)
-        limit_tokens = row.get("max_tokens")  # the row's own response limit (rollout/manager.py: row_max_tokens)
+        limit_tokens = row.get("max_tokens")  # the row's own response limit (GenerationRequest.max_tokens)
         if limit_tokens is not None and (
             isinstance(limit_tokens, bool) or not isinstance(limit_tokens, int) or limit_tokens < 1
         ):

@@ -27,16 +27,6 @@ from mgrpo.stopping import within
 from mgrpo.weights.sync import Export, NoEngine, WeightSync
 
 
-def row_max_tokens(row: dict):
-    """A data row's own response-length limit (column `max_tokens`), or None for rollout.max_tokens."""
-    value = row.get("max_tokens")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"data column max_tokens={value!r}: a positive integer (this prompt's response limit)")
-    return value
-
-
 class RolloutError(RuntimeError):
     """A step's rollout failed (an engine timed out or raised); the message names the engine."""
 
@@ -106,7 +96,7 @@ class RolloutManager:
                 prompt_ids(self.tokenizer, rows[i], self.cfg.data.apply_chat_template),
                 request_seed(seed, step, first + i, j),
                 f"{tag}{step}-{first + i}-{j}",
-                row_max_tokens(rows[i]),
+                rows[i].get("max_tokens"),  # the row's own limit, checked at load (data/dataset.py)
             )
             for i in prompt_indices
             for j in range(n)
