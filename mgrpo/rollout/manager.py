@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -234,6 +235,52 @@ class RolloutManager:
             if getattr(self.engine, "alive", lambda: True)():
                 return {"error": error, "key": key}
             return self._engine_died(error, key, mine)
+
+    def continue_local(self, samples: list, step: int) -> dict:
+        """This owner's groups of a batch whose responses a checkpoint interrupted (`finish_reason` "interrupted",
+        `RolloutProducer.settle`): each continued from its prefix (prompt + its tokens so far as the prompt, the
+        rest of its token budget, a seed of its own), its tokens, logprobs and versions appended, then scored
+        again. The prefix is never generated twice. A JSON-safe payload for `share`, like `generate_local`."""
+        from mgrpo.rewards.registry import score
+
+        if self.engine is None:
+            return {"samples": []}
+        groups = sorted({s.group_id for s in samples})
+        mine = {groups[i] for i in shares(len(groups), len(self.owners))[self.index]}
+        own = [replace(s, info=dict(s.info)) for s in samples if s.group_id in mine]  # the caller's stay as they are
+        todo = [s for s in own if s.finish_reason == "interrupted"]
+        budget = [(s.info.get("max_tokens") or self.cfg.rollout.max_tokens) - len(s.response_ids) for s in todo]
+        requests = [
+            GenerationRequest(
+                list(s.prompt_ids) + list(s.response_ids),
+                request_seed(self.cfg.train.seed + 104729, step, s.group_id, k),  # its own stream, not the prefix's
+                f"continue{step}-{s.group_id}-{k}",
+                left,
+            )
+            for k, (s, left) in enumerate(zip(todo, budget))
+            if left > 0
+        ]
+        try:
+            responses = iter(asyncio.run(self._run(requests, self.sampling())))
+            for s, left in zip(todo, budget):
+                if left <= 0:  # interrupted at its last token
+                    s.finish_reason = "length"
+                    continue
+                resp = next(responses)
+                prefix = len(s.response_ids)
+                s.token_versions = (s.token_versions or [s.weight_version] * prefix) + list(resp.weight_versions)
+                s.response_ids = s.response_ids + list(resp.token_ids)
+                s.loss_mask = s.loss_mask + [1] * len(resp.token_ids)
+                s.rollout_logprobs = (s.rollout_logprobs or []) + list(resp.logprobs)
+                s.weight_version, s.finish_reason = min(s.token_versions), resp.finish_reason
+                s.routed_experts = resp.routed_experts  # its prompt held the prefix: routing of the whole sequence
+                s.info["continued_from"] = prefix
+            r = self.cfg.reward
+            score(todo, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
+            fail_aborted(todo)
+        except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
+            return {"error": f"step {step}: continuing {len(todo)} interrupted responses: {type(exc).__name__}: {exc}"}
+        return {"samples": [sample_dict(s) for s in own]}
 
     def _engine_died(self, error: str, key: list, indices) -> dict:
         """This owner's engine process is gone: restart it (it serves again only after the next full weight push:

@@ -14,7 +14,9 @@ weights (verl's partial rollout, AReaL's interruptible generation): a response m
 carries the version that sampled it and that version's logprob (`Sample.token_versions`, `rollout_logprobs`).
 Staleness = the version being trained - the oldest version in a sample; groups over `max_staleness` are
 dropped and counted (with this producer they never are unless a run is resumed with a smaller bound).
-`max_staleness: 0` in async mode runs the same machinery with nothing ahead: bitwise the sync run.
+`max_staleness: 0` in async mode runs the same machinery with nothing ahead: bitwise the sync run. A checkpoint
+stores the batches in flight (`settle`); with partial rollout it interrupts their responses instead of waiting for
+them, and this run, or the one resumed from it, continues each from its prefix (`_continue_interrupted`).
 
 Off-policy correction (on by default whenever batches may be stale, max_staleness >= 1; config.py): the PPO ratio's old policy is the trainer's own
 policy before this step's update (AReaL's proximal policy), and the engine's logprobs are the behaviour policy of
@@ -28,7 +30,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from mgrpo.rollout.types import Sample
 
@@ -87,23 +90,24 @@ class RolloutProducer:
         self.idle_since, self.idle = time.perf_counter(), 0.0  # the engine waiting for the trainer (owners)
         self.generate_s: dict = {}  # step -> seconds its batch took to generate and score (owners)
 
-    def _generate(self, rows: list, step: int) -> dict:
-        """One batch on this owner's engine; time with no batch generating is engine idle time (a batch queued
-        behind another starts when it ends: no gap)."""
+    def _generate(self, rows: list, step: int, work=None) -> dict:
+        """One batch on this owner's engine (`work`: another job for it, e.g. continuing interrupted responses);
+        time with no batch generating is engine idle time (a batch queued behind another starts when it ends: no
+        gap)."""
         start = time.perf_counter()
         with self.lock:
             if self.running == 0:
                 self.idle += start - self.idle_since
             self.running += 1
         try:
-            return self.manager.generate_local(rows, step)
+            return work() if work is not None else self.manager.generate_local(rows, step)
         finally:
             end = time.perf_counter()
             with self.lock:
                 self.running -= 1
                 if self.running == 0:
                     self.idle_since = end
-            self.generate_s[step] = end - start  # the producer's own time on this batch
+            self.generate_s[step] = self.generate_s.get(step, 0.0) + end - start  # the producer's time on it
 
     def _draw_through(self, last: int) -> None:
         """Draw prompts (every rank, in step order) and start generation (owners, threaded modes) up to `last`."""
@@ -119,6 +123,7 @@ class RolloutProducer:
         """(samples of `step` every rank trains on, async/ and timing/wait_* metrics: in the ahead modes only)."""
         if self.next_draw is None:
             self.next_draw = step
+        self._continue_interrupted()  # before the next draw: the engine takes them first
         self._draw_through(max(step, min(step + self.k, self.total - 1)))  # nothing ahead past the run's last step
         t0 = time.perf_counter()
         entry = self.pending.pop(step)
@@ -138,6 +143,7 @@ class RolloutProducer:
             "async/staleness_mean": sum(stale) / max(len(stale), 1),
             "async/staleness_max": max(stale, default=0),
             **token_staleness(samples, version),
+            "async/continued_samples": sum("continued_from" in s.info for s in samples),
         }
         self.idle = 0.0
         return samples, {**(metrics if self.threaded else {}), **self.manager.fault_metrics()}
@@ -145,11 +151,23 @@ class RolloutProducer:
     def _fresh(self, samples: list, version: int) -> tuple:
         return fresh_groups(samples, version, self.k)
 
+    def interrupts(self) -> bool:
+        """Whether a checkpoint interrupts the responses in flight instead of waiting for them: partial rollout
+        (its responses may span versions anyway) on an engine that can (the colocated vLLM engine),
+        single-turn (a scheduler's trajectory holds state between engine calls that a checkpoint does not)."""
+        r = self.cfg.rollout
+        return bool(r.partial and not r.scheduler and hasattr(self.manager.engine, "interrupt"))
+
     def settle(self) -> list:
-        """Wait for every batch in flight and share it (a collective): [[step, [sample dicts]]] for a checkpoint,
-        so a resumed run trains exactly these batches (they came from weights it will no longer have)."""
+        """Every batch in flight, shared (a collective): [[step, [sample dicts]]] for a checkpoint, so a resumed
+        run trains exactly these batches (they came from weights it will no longer have). With partial rollout
+        the responses still generating are interrupted (their tokens so far kept: "interrupted") instead of
+        waited for; this run, or one resumed from the checkpoint, continues each from its prefix
+        (`_continue_interrupted`)."""
         from dataclasses import asdict
 
+        if self.threaded and self.interrupts() and any(isinstance(e, Future) for e in self.pending.values()):
+            self.manager.engine.interrupt()
         for step in sorted(self.pending):
             entry = self.pending[step]
             if self.threaded and not isinstance(entry, _Shared):
@@ -157,6 +175,21 @@ class RolloutProducer:
                     self.manager.share(entry.result() if entry is not None else {"samples": []})
                 )
         return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]
+
+    def _continue_interrupted(self) -> None:
+        """Batches a checkpoint interrupted (in this run or the one it resumes) go back to the engines: their
+        interrupted responses continue from their prefixes on the weights of now, like a partial push would have
+        continued them (every rank decides alike: each holds the same shared batch)."""
+        for step, entry in sorted(self.pending.items()):
+            if isinstance(entry, _Shared) and any(s.finish_reason == "interrupted" for s in entry):
+                samples = list(entry)
+                if self.pool is None:
+                    self.pending[step] = _Shared(self.manager.share(self.manager.continue_local(samples, step)))
+                elif self.manager.engine is None:
+                    self.pending[step] = None
+                else:
+                    work = partial(self.manager.continue_local, samples, step)
+                    self.pending[step] = self.pool.submit(self._generate, None, step, work)
 
     def restore(self, saved: list, next_step: int) -> None:
         """The batches a checkpoint stored as in flight, ready for their steps (their prompts were drawn already)."""

@@ -46,7 +46,7 @@ class Sample:
     reward: Optional[float] = None
     group_id: int = 0
     weight_version: int = 0
-    finish_reason: str = ""  # stop | length | abort
+    finish_reason: str = ""  # stop | length | abort | interrupted (by a checkpoint; continued before training)
     messages: list = field(default_factory=list)
     info: dict = field(default_factory=dict)  # JSON-serialisable extras (dataset columns, per-reward scores)
     # MoE: the engine's experts for prompt + response[:-1], [tokens, moe_layers, topk] (encode_routing), or None

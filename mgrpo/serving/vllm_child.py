@@ -97,6 +97,7 @@ class EngineServer:
         self.gate = asyncio.Condition()  # generation pauses here: updates wait for in-flight calls, new calls wait
         self.inflight, self.updating = 0, False  # for the update
         self.requests_inflight, self.requests_peak, self.requests_served = 0, 0, 0  # counted here, at the engine
+        self.interrupts_begun, self.interrupts_done = 0, 0  # `interrupt` calls: a request alive during one ends so
         self.stop = asyncio.Event()
         self.asleep: set = set()  # vLLM's sleep tags now asleep: "weights", "kv_cache"
         self.phases: list = []  # the last sleep/wake/update calls, in order (health reports them)
@@ -141,7 +142,7 @@ class EngineServer:
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             rid = f"{req.get('request_id') or 'r'}-{secrets.token_hex(4)}"
-            final = None
+            final, interrupts_before = None, self.interrupts_done
             self.requests_inflight += 1
             self.requests_peak = max(self.requests_peak, self.requests_inflight)
             try:
@@ -156,6 +157,8 @@ class EngineServer:
             ids = list(c.token_ids)
             lps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+            if reason == "abort" and self.interrupts_begun > interrupts_before:  # alive during an `interrupt`
+                reason = "interrupted"
             versions = token_versions(c.weight_versions, len(ids), version)
             out = {"token_ids": ids, "logprobs": lps, "finish_reason": reason, "weight_versions": versions}
             if getattr(c, "routed_experts", None) is not None:  # [tokens run, moe_layers, topk]
@@ -226,6 +229,21 @@ class EngineServer:
             total_s=time.perf_counter() - t0,
             held_requests=requests if held else 0,  # continued on the new weights (partial rollout)
         )
+
+    async def interrupt(self) -> dict:
+        """End every request in flight now, with the tokens it has, as "interrupted" (a checkpoint of a partial
+        run stores them and the run continues each from its prefix: `RolloutProducer.settle`). vLLM's
+        `pause_generation(mode="abort")` returns each aborted request's tokens, logprobs and version spans so
+        far; generation resumes at once. New calls wait at the gate meanwhile."""
+        t0, requests = time.perf_counter(), self.requests_inflight
+        async with self._paused(wait_for_calls=False):
+            self.interrupts_begun += 1
+            try:
+                await self.llm.pause_generation(mode="abort", clear_cache=False)
+            finally:
+                await self.llm.resume_generation()
+                self.interrupts_done += 1
+        return {"interrupted_requests": requests, "total_s": time.perf_counter() - t0}
 
     async def sleep(self, level: int) -> dict:
         """The rollout phase is over: the engine's device memory goes to the trainer (level 1: weights to host
@@ -318,6 +336,8 @@ class EngineServer:
                     result = await self.update(
                         msg["version"], msg["channel"], msg.get("reset_cache", True), msg.get("in_flight", "finish")
                     )
+                elif op == "interrupt":
+                    result = await self.interrupt()
                 elif op == "sleep":
                     result = await self.sleep(int(msg["level"]))
                 elif op == "wake_up":

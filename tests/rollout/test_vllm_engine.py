@@ -25,6 +25,7 @@ from mgrpo.rollout.engines.vllm import VLLMEngine
 from mgrpo.rollout.types import SamplingParams
 from mgrpo.weights.sync import WeightSyncError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 0.7
 _versions = itertools.count(1)
 
@@ -251,6 +252,193 @@ def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single
     assert kept_new > 1e-2, "negative control: without the recompute the old KV must show after the boundary"
     after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=T, max_tokens=8))
     assert worst_diff(after, reqs(seed=8, n=1), dirs["other"], T) <= 1e-4, "a new request: no old-weight blocks"
+
+
+def _interrupted(engine, requests, sp, after_s: float = 0.3) -> tuple:
+    """`requests` generating on the engine, interrupted `after_s` after all of them are in: (responses, the
+    receipt)."""
+    import threading
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, requests, sp)))
+    worker.start()
+    deadline = time.time() + 60
+    while engine.stats()["requests_inflight"] < len(requests) and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(after_s)  # some tokens, far from the budget
+    receipt = engine.interrupt()
+    worker.join(timeout=120)
+    return result["out"], receipt
+
+
+def test_an_interrupted_response_is_continued_from_its_prefix(single_rank, engine, dirs):
+    """A checkpoint of a partial run (issue 56) interrupts the requests in flight: each ends "interrupted" with
+    the tokens, logprobs and versions it had (vLLM's pause mode "abort"), and the engine serves on. The manager
+    continues each from that prefix (`RolloutManager.continue_local`: prompt + prefix as the prompt, the rest of
+    its budget), keeping the prefix untouched: every token of the joined response then equals the trainer's
+    forward of the whole response (<= 1e-4), so the continuation was conditioned on the prefix. Negative control:
+    tokens generated from the prompt alone, joined to the prefix, are not (> 1e-2)."""
+    import copy
+    from dataclasses import replace
+
+    from mgrpo.config import load_config
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.rollout.manager import RolloutManager
+    from mgrpo.rollout.types import Sample
+
+    _, version = push(engine, dirs["new"])
+    requests, budget = reqs(seed=5, n=1), 400
+    run(engine, requests, SamplingParams(temperature=T, max_tokens=8))  # the first call after a push is slow
+    outs, receipt = _interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
+    assert receipt["interrupted_requests"] == len(requests)
+    got_lengths = [(o.finish_reason, len(o.token_ids)) for o in outs]
+    assert all(o.finish_reason == "interrupted" and 0 < len(o.token_ids) < budget for o in outs), got_lengths
+    assert all(o.weight_versions == [version] * len(o.token_ids) for o in outs)
+    samples = [
+        Sample(
+            prompt_ids=list(r.prompt_ids),
+            response_ids=list(o.token_ids),
+            loss_mask=[1] * len(o.token_ids),
+            rollout_logprobs=list(o.logprobs),
+            group_id=k,
+            weight_version=version,
+            token_versions=list(o.weight_versions),
+            finish_reason=o.finish_reason,
+            messages=[{"role": "user", "content": "x"}],
+        )
+        for k, (r, o) in enumerate(zip(requests, outs))
+    ]
+    args = ["--model.path", dirs["base"], "--rollout.temperature", str(T), "--rollout.max_tokens", str(budget)]
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [*args, "--rollout.ignore_eos", "true"], check_files=False
+    )
+    manager = RolloutManager(cfg, load_tokenizer(dirs["base"]), {0: 0}, engine)
+    got = [Sample(**d) for d in manager.continue_local(copy.deepcopy(samples), step=3)["samples"]]
+    worst, control = 0.0, 0.0
+    alone = run(  # negative control: each continuation generated from the prompt alone
+        engine,
+        [replace(r, max_tokens=budget - len(s.response_ids)) for r, s in zip(requests, samples)],
+        SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True),
+    )
+    worst, control = 0.0, 0.0
+    for before, after, r, other in zip(samples, got, requests, alone):
+        n = len(before.response_ids)
+        assert after.response_ids[:n] == before.response_ids and after.rollout_logprobs[:n] == before.rollout_logprobs
+        assert len(after.response_ids) == budget and after.finish_reason == "length" and after.reward is not None
+        assert after.token_versions == [version] * budget and after.info["continued_from"] == n
+        ref = trainer_logprobs(dirs["new"], r.prompt_ids, after.response_ids, T)
+        worst = max(worst, float((ref - torch.tensor(after.rollout_logprobs)).abs().max()))
+        joined = trainer_logprobs(dirs["new"], r.prompt_ids, before.response_ids + list(other.token_ids), T)[n:]
+        control = max(control, float((joined - torch.tensor(other.logprobs)).abs().max()))
+    print(
+        f"interrupt: {receipt['interrupted_requests']} requests ended with {[len(s.response_ids) for s in samples]} "
+        f"of {budget} tokens in {receipt['total_s']:.3f} s; continued to {budget}: max |engine - trainer of the "
+        f"whole response| {worst:.1e}; negative control (continued from the prompt alone) {control:.2f}"
+    )
+    assert worst <= 1e-4
+    assert control > 1e-2, "negative control: a continuation that ignores the prefix must show"
+
+
+def test_a_partial_run_resumed_mid_async_continues_what_it_had_in_flight(
+    single_rank, engine, dirs, tmp_path, monkeypatch
+):
+    """Resume mid-async with partial rollout (issue 56), on this real engine (handed to the trainers): the
+    checkpoint at step 2 holds step 2's batch, generating when it was taken, its responses interrupted with their
+    tokens so far. The resumed run continues each from its prefix (the checkpoint's tokens, logprobs and versions
+    kept, then more) and trains it; the uninterrupted run continues its own the same way. The prompts trained
+    before the save plus after the resume are the uninterrupted run's, step for step, each once. Negative
+    control: a resume that ignored the stored batch would draw step 3's prompts for step 2 and never train the
+    stored ones."""
+    import copy
+    import threading
+
+    import mgrpo.rollout.engine as engines
+    from mgrpo.config import load_config
+    from mgrpo.trainer import GRPOTrainer
+    from mgrpo.weights.export import export_hf
+
+    transport = engine.weight_transport(1 << 20)  # the trainers start at version 0 from the base weights
+    try:
+        transport.send(export_hf(trainer_actor(dirs["base"]).models(), dst=0, bucket_bytes=1 << 20), 0)
+    finally:
+        transport.close()
+    monkeypatch.setattr(engines, "make_engine", lambda *a, **kw: engine)
+    monkeypatch.setattr(engine, "close", lambda: None)
+    monkeypatch.setattr(engine, "in_flight", "keep")
+
+    def make(name, *extra, save_mid_generation=False):
+        args = ["--model.path", dirs["base"], "--data.path", os.path.join(ROOT, "examples/data/tiny_prompts.jsonl")]
+        args += ["--logging.output_dir", str(tmp_path / name), "--logging.progress_bar", "false"]
+        args += ["--rollout.engine", "vllm", "--rollout.mode", "async", "--rollout.max_staleness", "1"]
+        args += ["--rollout.partial", "true", "--rollout.ignore_eos", "true", "--rollout.max_tokens", "400"]
+        args += ["--rollout.prompts_per_step", "4", "--rollout.n", "4", "--train.steps", "4"]
+        args += ["--checkpoint.save_interval", "2", "--checkpoint.save_dir", str(tmp_path / name / "ckpt")]
+        cfg = load_config(os.path.join(ROOT, "examples", "tiny_cpu.yaml"), [*args, *extra])
+        cfg.model.tiny = None
+        trainer, trained = GRPOTrainer(cfg), {}
+        batch, settle, generate = trainer.producer.batch, trainer.producer.settle, trainer.rollout.generate_local
+        go = threading.Event()
+
+        def recording_batch(step, version):
+            samples, metrics = batch(step, version)
+            trained[step] = (copy.deepcopy(samples), metrics)
+            return samples, metrics
+
+        def held_generate(rows, step, *a, **kw):  # step 2's batch starts when the save at step 2 is about to run
+            if save_mid_generation and step == 2:
+                go.wait(timeout=120)
+            return generate(rows, step, *a, **kw)
+
+        def settle_mid_generation():  # the save finds step 2's batch ~0.3 s into generating (not left to timing)
+            if save_mid_generation and 2 in trainer.producer.pending:
+                go.set()
+                deadline = time.time() + 60
+                while engine.stats()["requests_inflight"] < 16 and time.time() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)
+            return settle()
+
+        trainer.producer.batch, trainer.producer.settle = recording_batch, settle_mid_generation
+        trainer.rollout.generate_local = held_generate
+        return trainer, trained
+
+    whole, whole_trained = make("whole", save_mid_generation=True)
+    whole.fit()
+    resumed, resumed_trained = make("resumed", "--checkpoint.resume", str(tmp_path / "whole" / "ckpt" / "step_000002"))
+    assert resumed.start_step == 2
+    stored = list(resumed.producer.pending[2])  # the checkpoint's step-2 batch, as restored
+    skipping = copy.deepcopy(resumed.prompts).next_batch()  # what a resume without it would train at step 2
+    resumed.fit()
+
+    interrupted = [(k, s) for k, s in enumerate(stored) if s.finish_reason == "interrupted"]
+    assert interrupted, "the checkpoint must hold responses interrupted mid-generation"
+    got = resumed_trained[2][0]
+    for k, s in interrupted:
+        n, after = len(s.response_ids), got[k]
+        assert (after.group_id, after.prompt_ids) == (s.group_id, s.prompt_ids)
+        assert after.response_ids[:n] == s.response_ids and after.rollout_logprobs[:n] == s.rollout_logprobs
+        assert after.token_versions[:n] == s.token_versions and after.info["continued_from"] == n
+        assert len(after.response_ids) == 400 and after.finish_reason == "length"
+    assert resumed_trained[2][1]["async/continued_samples"] == len(interrupted)
+    assert whole_trained[2][1]["async/continued_samples"] > 0, "the uninterrupted run continues its own"
+
+    def prompts(trained, steps):
+        return [[tuple(s.prompt_ids) for s in trained[t][0]] for t in steps]
+
+    def groups(trained, steps):
+        return [g for t in steps for g in sorted({s.group_id for s in trained[t][0]})]
+
+    assert prompts(whole_trained, [2, 3]) == prompts(resumed_trained, [2, 3])
+    joined = groups(whole_trained, [0, 1]) + groups(resumed_trained, [2, 3])
+    assert joined == groups(whole_trained, range(4)) and len(joined) == len(set(joined)) == 16
+    assert sorted(tuple(r["prompt_ids"]) for r in skipping) != sorted({tuple(s.prompt_ids) for s in stored}), (
+        "negative control: without the stored batch, step 2 would train other prompts"
+    )
+    print(
+        f"resume mid-async with partial: the step-2 checkpoint held {len(interrupted)} of {len(stored)} responses "
+        f"interrupted at {sorted(len(s.response_ids) for _, s in interrupted)} tokens; resumed, each kept its "
+        f"prefix and reached 400; prompts of steps 0-3 = the uninterrupted run's, {len(joined)} groups, each once"
+    )
 
 
 def test_a_requests_own_max_tokens_limits_it_alone(engine):

@@ -256,6 +256,11 @@ class VLLMEngine:
         )
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
 
+    def interrupt(self) -> dict:
+        """End the requests in flight with their tokens so far ("interrupted"): a checkpoint of a partial run
+        stores them and continues each from its prefix (`vllm_child.EngineServer.interrupt`)."""
+        return self.call("interrupt", timeout=self.update_timeout_s)
+
     def sleep(self, level: int) -> dict:
         """Free the engine's device memory for the train phase (`rollout/colocate.py`)."""
         return self.call("sleep", timeout=self.update_timeout_s, level=level)
