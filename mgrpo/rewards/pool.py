@@ -12,6 +12,7 @@ import atexit
 import importlib
 import multiprocessing as mp
 import multiprocessing.connection
+import threading
 import time
 
 FAILED = object()  # a call that raised or timed out
@@ -59,9 +60,16 @@ class RewardPool:
         self.plugin_paths = list(plugin_paths or [])
         self.workers = [_Worker(self.ctx, self.plugin_paths) for _ in range(max(1, workers))]
         self.killed, self.errors = 0, []
+        self.lock = threading.Lock()  # one map at a time: partial rollout scores two batches from two threads
         atexit.register(self.close)
 
     def map(self, fn, items: list, timeout: float) -> list:
+        """Values in order (FAILED where a call failed). Thread-safe: a map waits for one running in another thread
+        (a worker's pipe carries one call at a time)."""
+        with self.lock:
+            return self._map(fn, items, timeout)
+
+    def _map(self, fn, items: list, timeout: float) -> list:
         module, name = fn.__module__, fn.__qualname__
         out, todo, busy = [FAILED] * len(items), list(range(len(items))), {}
         while todo or busy:
@@ -126,14 +134,16 @@ class RewardPool:
 
 
 _SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def shared_pool(workers: int, plugins=()) -> RewardPool:
     """One pool per process (started on first use, its workers kept across steps)."""
     key = (int(workers), tuple(plugins))
-    if key not in _SHARED:
-        for old in _SHARED.values():
-            old.close()
-        _SHARED.clear()
-        _SHARED[key] = RewardPool(workers, list(plugins))
-    return _SHARED[key]
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            for old in _SHARED.values():
+                old.close()
+            _SHARED.clear()
+            _SHARED[key] = RewardPool(workers, list(plugins))
+        return _SHARED[key]
