@@ -167,7 +167,10 @@ class RolloutProducer:
         from dataclasses import asdict
 
         if self.threaded and self.interrupts() and any(isinstance(e, Future) for e in self.pending.values()):
-            self.manager.engine.interrupt()
+            try:
+                self.manager.engine.interrupt()
+            except Exception as exc:  # noqa: BLE001  (the batches then finish as they are: the save waits for them)
+                print(f"mgrpo: warning: engine {self.manager.engine.name} was not interrupted for the save: {exc}")
         for step in sorted(self.pending):
             entry = self.pending[step]
             if self.threaded and not isinstance(entry, _Shared):
