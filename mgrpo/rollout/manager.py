@@ -241,8 +241,6 @@ class RolloutManager:
         `RolloutProducer.settle`): each continued from its prefix (prompt + its tokens so far as the prompt, the
         rest of its token budget, a seed of its own), its tokens, logprobs and versions appended, then scored
         again. The prefix is never generated twice. A JSON-safe payload for `share`, like `generate_local`."""
-        from mgrpo.rewards.registry import score
-
         if self.engine is None:
             return {"samples": []}
         groups = sorted({s.group_id for s in samples})
@@ -275,9 +273,7 @@ class RolloutManager:
                 s.weight_version, s.finish_reason = min(s.token_versions), resp.finish_reason
                 s.routed_experts = resp.routed_experts  # its prompt held the prefix: routing of the whole sequence
                 s.info["continued_from"] = prefix
-            r = self.cfg.reward
-            score(todo, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
-            fail_aborted(todo)
+            self._score(todo)
         except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
             return {"error": f"step {step}: continuing {len(todo)} interrupted responses: {type(exc).__name__}: {exc}"}
         return {"samples": [sample_dict(s) for s in own]}
@@ -315,13 +311,18 @@ class RolloutManager:
 
     def _scored(self, rows, step, round_, sampling, n, tag, indices=None) -> list:
         """This engine's samples of `rows` (its share, or `indices`), scored, as JSON-safe dicts."""
+
+        samples = self._score(self.generate_share(rows, step, round_, sampling, n, tag, indices))
+        return [sample_dict(s) for s in samples]
+
+    def _score(self, samples: list) -> list:
+        """The rewards of `samples`, in place; trajectories that raised train nothing."""
         from mgrpo.rewards.registry import score
 
-        samples = self.generate_share(rows, step, round_, sampling, n, tag, indices)
         r = self.cfg.reward
         score(samples, self.tokenizer, r.funcs, r.weights, r.kwargs, self.score_options())
-        fail_aborted(samples)  # trajectories that raised train nothing
-        return [sample_dict(s) for s in samples]
+        fail_aborted(samples)
+        return samples
 
     def _reissue(self, gathered: list, down: list) -> list:
         """The prompts of the engines that died, split over the engines that are up, generated and shared."""
