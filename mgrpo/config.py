@@ -127,7 +127,9 @@ class RemoteConfig:
     allow_plain_http: bool = False  # http:// to a server off loopback (the token travels in clear); else https
     ca_file: str = ""  # CA (or the servers' self-signed certificate) that https:// servers are checked against
     checksum: str = "xxh3_128"  # per-bucket digest on the wire: xxh3_128 (corruption, ~12 GB/s) | sha256
-    delta: bool = False  # HTTP: send what changed since the servers' version (docs/weight-sync.md#deltas)
+    delta: bool = (
+        False  # HTTP or collective (vLLM): send what changed since the servers' version (docs/weight-sync.md#deltas)
+    )
     full_every: int = 0  # with delta: a full push every N versions (0: only when a server needs one)
     max_consecutive_failures: int = 3  # a replica is excluded after this many failed requests in a row
     run_id: str = ""  # this trainer run on the servers; "": random for a fresh run, the checkpoint's on --resume

@@ -176,10 +176,10 @@ def check_remote(r) -> list:
             f"them with --transport collective)"
         )
     e += must("rollout.remote.full_every", m.full_every, m.full_every >= 0, ">= 0 (0: full only when needed)")
-    if m.delta and m.transport != "http":
+    if m.delta and r.engine == "sglang":
         e.append(
-            f"rollout.remote.delta=true needs rollout.remote.transport=http (it is {m.transport}); deltas over "
-            f"the collective transport are not built yet: set rollout.remote.delta=false"
+            "rollout.remote.delta=true with rollout.engine=sglang: SGLang's weight receiver takes whole tensors "
+            "only; set rollout.remote.delta=false"
         )
     if r.engine == "sglang" and m.transport != "collective":
         e.append(

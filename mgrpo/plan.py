@@ -487,20 +487,39 @@ def format_plan(cfg, plan: dict) -> str:
 def weight_sync_lines(cfg, plan: dict) -> list:
     """What one weight version costs on the wire and, with rollout.remote.delta, the delta bases' host memory."""
     r = cfg.rollout
-    if r.engine != "remote" or r.remote.transport != "http" or (cfg.model.lora.rank > 0 and r.lora_sync == "adapter"):
+    transport = r.remote.transport
+    if (
+        r.engine != "remote"
+        or transport not in ("http", "collective")
+        or (cfg.model.lora.rank > 0 and r.lora_sync == "adapter")
+    ):
         return []
-    wire = plan["unique_total"] * (2 if cfg.model.params_dtype == "bfloat16" else 4)
+    width = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    wire = plan["unique_total"] * width
+    stages = [sum(x["unique"] for x in plan["ranks"] if x["pp"] == s) * width for s in range(cfg.parallel.pp)]
+    how = "sent by rank 0" if transport == "http" else f"one sender per PP stage, largest {max(stages) / GiB:.1f} GiB"
     line = (
-        f"weight sync (HTTP, {r.update_bucket_mb} MB buckets, sent by rank 0): {wire / GiB:.1f} GiB per version "
-        f"to each of {len(r.servers)} server(s)"
+        f"weight sync ({transport.replace('http', 'HTTP')}, {r.update_bucket_mb} MB buckets, {how}): "
+        f"{wire / GiB:.1f} GiB per version to each of {len(r.servers)} server(s)"
     )
     if not r.remote.delta:
         return [line + "; rollout.remote.delta: true sends what changed (see docs/weight-sync.md#deltas)"]
+    if transport == "http":
+        keeps = (
+            f"the sender (rank 0) keeps {wire / GiB:.1f} GiB of host memory (its last version, "
+            f"{cfg.model.params_dtype}); each server keeps {wire / GiB:.1f} GiB in /dev/shm (the version it loaded; "
+            f"twice that while a delta loads)"
+        )
+    else:
+        keeps = (
+            f"each stage sender keeps its own stage's last version in host memory "
+            f"({', '.join(f'{b / GiB:.1f}' for b in stages)} GiB for stages 0..{len(stages) - 1}, "
+            f"{cfg.model.params_dtype}); each worker of a server keeps {wire / GiB:.1f} GiB (the version it loaded; "
+            f"a server at TP 8 holds 8 copies)"
+        )
     return [
         line + " on a full push; deltas send what changed (~3-5% of it at LR 1e-6 on the ~85M model measured here)",
-        f"delta base (rollout.remote.delta): the sender (rank 0) keeps {wire / GiB:.1f} GiB of host memory (its last "
-        f"version, {cfg.model.params_dtype}); each server keeps {wire / GiB:.1f} GiB in /dev/shm (the version it "
-        f"loaded; twice that while a delta loads)",
+        f"delta base (rollout.remote.delta): {keeps}",
     ]
 
 

@@ -463,7 +463,8 @@ def test_colocated_turns_refuse_what_cannot_take_turns(tmp_path, data_file, flag
 
 
 def test_delta_sync_fields_are_checked(tmp_path, data_file):
-    """rollout.remote.delta over the collective transport (not built) and a negative full_every: both named."""
+    """rollout.remote.delta with SGLang (its receiver takes whole tensors) and a negative full_every: both named;
+    deltas over the collective transport to vLLM servers are accepted."""
     path = write_yaml(tmp_path, {"model": {"path": "m"}, "data": {"path": data_file}})
     with pytest.raises(ConfigError) as e:
         load_config(
@@ -471,11 +472,9 @@ def test_delta_sync_fields_are_checked(tmp_path, data_file):
                 "--config",
                 path,
                 "--rollout.engine",
-                "remote",
+                "sglang",
                 "--rollout.servers",
                 "http://127.0.0.1:8000",
-                "--rollout.remote.transport",
-                "collective",
                 "--rollout.remote.delta",
                 "true",
                 "--rollout.remote.full_every",
@@ -484,5 +483,10 @@ def test_delta_sync_fields_are_checked(tmp_path, data_file):
             check_files=False,
         )
     text = str(e.value)
-    assert "rollout.remote.delta=true needs rollout.remote.transport=http (it is collective)" in text, text
+    assert "rollout.remote.delta=true with rollout.engine=sglang" in text, text
     assert "rollout.remote.full_every" in text, text
+    argv = ["--config", path, "--rollout.engine", "remote", "--rollout.servers", "http://127.0.0.1:8000"]
+    cfg = load_config(
+        argv=argv + ["--rollout.remote.transport", "collective", "--rollout.remote.delta", "true"], check_files=False
+    )
+    assert cfg.rollout.remote.delta and cfg.rollout.remote.transport == "collective"

@@ -431,7 +431,12 @@ def make_weight_sync(cfg, engine) -> WeightSync:
         from mgrpo.weights.transports.collective import CollectiveTransport
 
         return CollectiveTransport(
-            engine, bucket_bytes, bind=cfg.rollout.remote.collective_bind, timeout_s=cfg.rollout.remote.update_timeout_s
+            engine,
+            bucket_bytes,
+            bind=remote.collective_bind,
+            timeout_s=remote.update_timeout_s,
+            delta=remote.delta,
+            full_every=remote.full_every,
         )
     return engine.weight_transport(bucket_bytes) if engine is not None else NoEngine()
 

@@ -13,6 +13,14 @@ A failure before the load leaves the old weights serving ("rejected"); a failure
 buckets go into `reload_weights` as they arrive, each still checked before it loads, and the completeness check
 comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on
 CPU and over NCCL on GPU with the same code (`collective_group.py`).
+
+Deltas (`rollout.remote.delta`): with `keep_base` each worker keeps the version it loaded as its base
+(`mgrpo.weights.delta.DeltaBase`: the model's HF tensors in the wire dtype, in host memory, one copy per worker:
+each worker loads its own shard from the full tensors). A delta names its base: a worker that holds another one
+drains the broadcast and refuses before anything loads (`NEED_FULL`: the trainer sends the whole version in the
+same push). Staged, every coded tensor is decoded into the base and its digest checked before the load, so a
+mismatch also refuses with the old weights serving; streamed, each bucket is decoded and checked before it loads,
+so a mismatch past the first bucket poisons the server, as any failure once loading began.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from mgrpo.serving.vllm_moe import repack_cpu_experts
 from mgrpo.serving.vllm_settings import test_load_delay
 from mgrpo.weights.bucket import BucketError, ManifestCheck
+from mgrpo.weights.delta import NEED_FULL, DeltaBase, NeedFull
 from mgrpo.weights.transports.collective_group import join_group, receive_buckets
 
 BACKEND = "mgrpo_collective"
@@ -54,6 +63,8 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
     probe_bytes: int = 0  # > 0: only time the wire (benchmarks): that many bytes into one preallocated buffer
     probe_bucket: int = 0
     stream: bool = False  # load each bucket as it arrives (bounded memory) instead of staging the whole update
+    delta_base: int | None = None  # the buckets are deltas against this version (`mgrpo.weights.delta`)
+    keep_base: bool = False  # keep what loads as the base of the next delta
 
 
 class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpdateInfo]):
@@ -64,7 +75,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.groups, self.buckets, self.check, self.receipt, self.probing = [], [], None, {}, False
-        self.streamed = False
+        self.streamed, self.info, self.base, self.fresh = False, None, DeltaBase(), {}
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         self.shutdown()
@@ -87,6 +98,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
 
     def start_weight_update(self) -> None:
         self.buckets, self.check, self.receipt, self.probing, self.streamed = [], None, {}, False, False
+        self.fresh = {}  # a whole version's tensors, the next base (`keep_base`)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # no device sync needed: nothing loaded yet
@@ -97,7 +109,14 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         if update_info.probe_bytes:
             return self._probe(update_info.probe_bytes, update_info.probe_bucket)
         test_load_delay()
-        t0 = time.perf_counter()
+        t0, self.info = time.perf_counter(), update_info
+        base = update_info.delta_base
+        if base is not None and self.base.version != base:  # drained, so the senders finish; nothing loads
+            self._drain()
+            have = "no base" if self.base.version is None else f"version {self.base.version}"
+            raise RuntimeError(
+                f"{REJECTED}: {NEED_FULL}: a delta against version {base} arrived; this worker has {have}"
+            )
         self.check = ManifestCheck(
             {k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
             update_info.optional,
@@ -129,6 +148,35 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             ) from None
         self.receipt = {"receive_s": time.perf_counter() - t0}
 
+    def _drain(self) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.groups)) as pool:
+            for future in [pool.submit(lambda g: sum(1 for _ in receive_buckets(g)), g) for g in self.groups]:
+                future.result()
+
+    def _decoded(self, bucket) -> list:
+        """A bucket's (name, tensor) as they load: a delta's decoded into the base (each digest checked, else
+        `NeedFull`), a whole version's as they arrived (also kept as the next base with `keep_base`)."""
+        info = self.info
+        if info.delta_base is not None:
+            who = f"rollout server worker {_worker_rank()}, bucket {bucket.manifest.get('index')}"
+            self.base.apply(bucket.manifest, bucket.tensors(), info.version, who=who)
+            return [(name, self.base.base[name]) for name in bucket.manifest["names"]]
+        items = list(bucket.tensors())
+        if info.keep_base:  # host copies (a bucket on the GPU stays there for the load)
+            self.fresh.update((n, t if t.device.type == "cpu" else t.cpu()) for n, t in items)
+        return items
+
+    def _loaded(self, ok: bool) -> None:
+        """After a load: the base holds the version that loaded (with `keep_base`), or nothing."""
+        info = self.info
+        if not ok or not info.keep_base:
+            self.base.forget()
+        elif info.delta_base is not None:
+            self.base.version = info.version
+        else:
+            self.base.set(info.version, self.fresh)
+        self.fresh = {}
+
     def _receive_and_load(self, t0: float) -> None:
         """Streaming: one thread per sender receives and checks buckets into a short queue (two per sender); this
         thread loads them as they come. Anything that fails once loading has begun poisons the server."""
@@ -155,7 +203,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield from item.tensors()
+                    yield from self._decoded(item)
 
         threads = [threading.Thread(target=take, args=(g,), daemon=True) for g in self.groups]
         for t in threads:
@@ -167,6 +215,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
             self.shutdown()
+            self._loaded(False)
             raise RuntimeError(
                 f"{POISONED}, the engine holds a mix of versions (streamed update): {type(exc).__name__}: {exc}"
             ) from None
@@ -195,7 +244,15 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             self.buckets = []
             raise RuntimeError(f"{POISONED if self.streamed else REJECTED}: {exc}") from None
         if self.streamed:
+            self._loaded(True)
             return
+        t0 = time.perf_counter()
+        try:  # a delta is decoded (and every digest checked) before anything loads
+            weights = [item for b in self.buckets for item in self._decoded(b)]
+        except NeedFull as exc:
+            self.buckets = []
+            raise RuntimeError(f"{REJECTED}: {NEED_FULL}: {exc}") from None
+        self.receipt["delta_apply_s"] = time.perf_counter() - t0 if self.info.delta_base is not None else 0.0
         t0 = time.perf_counter()
         try:
             reload_weights(
@@ -203,13 +260,15 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                 self.model,
                 weights_path=None,
                 is_checkpoint_format=True,
-                weights_iterator=(item for b in self.buckets for item in b.tensors()),
+                weights_iterator=iter(weights),
             )
             repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
+            self._loaded(False)
             raise RuntimeError(f"{POISONED}, the engine holds a mix of versions: {type(exc).__name__}: {exc}") from None
         finally:
-            self.buckets = []
+            self.buckets, weights = [], None
+        self._loaded(True)
         self.receipt["reload_s"] = time.perf_counter() - t0
 
     def shutdown(self) -> None:

@@ -5,7 +5,8 @@ token and by the run ownership of `ownership.py`):
                                               before this call), draws a one-time nonce, has every worker join one
                                               group per sender (in the background: they wait for the senders), and
                                               answers {host, port, nonce, workers, backend, timeout_s}
-    POST /mgrpo/collective/{version}/update   pause, receive every sender's buckets through vLLM's weight-transfer
+    POST /mgrpo/collective/{version}/update   {"delta_base": V | null, "keep_base": bool} (deltas, `delta.py`):
+                                              pause, receive every sender's buckets through vLLM's weight-transfer
                                               phases (`collective_receiver.py`: each bucket checked as it arrives,
                                               the set for completeness before anything loads), load, reset the
                                               prefix cache, stamp the version, resume; the same deadline and
@@ -111,6 +112,12 @@ def add_collective_routes(
 
     @app.post("/mgrpo/collective/{version}/update")
     async def collective_update(version: int, request: Request):
+        if int(request.headers.get("content-length") or 0) > 4096:
+            return error(413, 'the update body is {"delta_base": V or null, "keep_base": bool}')
+        body = (await request.json()) if int(request.headers.get("content-length") or 0) else {}
+        delta = {"delta_base": body.get("delta_base"), "keep_base": bool(body.get("keep_base"))}
+        if delta["delta_base"] is not None and not isinstance(delta["delta_base"], int):
+            return error(400, f"delta_base={delta['delta_base']!r}: a weight version (int) or null")
         async with update.lock:
             why = update.refusal(version) or update.claim(version, request.headers)
             if why:
@@ -118,7 +125,7 @@ def add_collective_routes(
             if state.joined is None:
                 return error(409, "no collective group is open: POST /mgrpo/collective/open first")
             result = await apply_version(
-                gate, update, engine_client, version, update_timeout_s, lambda timeout: receive(version, timeout)
+                gate, update, engine_client, version, update_timeout_s, lambda timeout: receive(version, timeout, delta)
             )
             if isinstance(result, dict):
                 update.owner.committed(version)
@@ -155,7 +162,7 @@ def add_collective_routes(
             marks.append(time.perf_counter())
         return marks
 
-    async def receive(version: int, timeout: float) -> dict:
+    async def receive(version: int, timeout: float, delta: dict) -> dict:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(asyncio.shield(state.joined), timeout=min(timeout, join_timeout_s))
@@ -167,7 +174,7 @@ def add_collective_routes(
         start = time.perf_counter()
         try:
             marks = [start] + await phases(
-                {"version": version, "expected": expected, "optional": optional, "stream": stream},
+                {"version": version, "expected": expected, "optional": optional, "stream": stream, **delta},
                 max(timeout - (start - t0), 0.001),
             )
         except asyncio.TimeoutError:

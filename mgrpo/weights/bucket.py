@@ -412,8 +412,10 @@ class ManifestCheck:
                 f"{who}: {label} has an inconsistent manifest: {problem}; the sender packed it "
                 f"wrongly or it was altered, resend it"
             )
-        here = {}
+        here, coded = {}, (m.get("delta") or {}).get("codec") or {}
         for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"]):
+            if name in coded:  # a delta-coded tensor (`delta.py`) is checked as the tensor it decodes to
+                dtype, shape = coded[name].get("dtype"), coded[name].get("shape") or []
             if name in self.seen or name in here:
                 raise BucketError(
                     f"{who}: tensor {name!r} arrived twice ({label}, first in "

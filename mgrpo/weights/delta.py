@@ -40,6 +40,9 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-
 SPARSE_BELOW = 0.125  # changed fraction under which a tensor goes as positions + changed words (`sparse_zstd`)
 
 
+NEED_FULL = "needs the whole version"  # in a receiver's refusal of a delta: the sender pushes the version whole
+
+
 class NeedFull(BucketError):
     """A delta this receiver cannot apply exactly (another base, a digest that does not match): send the whole
     version; nothing was changed."""

@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--bucket-mb", type=int, default=1)
     ap.add_argument("--engine", choices=("remote", "sglang"), default="remote")
+    ap.add_argument("--delta-steps", type=int, default=0, help="> 0: deltas (see delta_pushes)")
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -77,6 +78,8 @@ def main() -> None:
             load_tokenizer(args.model).eos_token_id,
             run_id=args.run_id,
         )
+    if args.delta_steps:
+        return delta_pushes(args, actor, engine, CollectiveTransport)
     transport = CollectiveTransport(engine, args.bucket_mb << 20)
     peak = PeakRSS()
     receipt = transport.send_model(actor.models(), args.version)
@@ -86,6 +89,68 @@ def main() -> None:
     if dist.get_rank() == 0:
         receipt["sender_peak_mb"] = max(rss[r] for r in transport.senders)  # above where the push started
         print("receipt: " + json.dumps(receipt), flush=True)
+    transport.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def delta_pushes(args, actor, engine, transport_cls) -> None:
+    """Deltas from every pipeline stage: version V whole, then `--delta-steps` pushes after sparse changes to the
+    actor's weights (3% of each shard's elements move, as one RL step at a small LR), then the same weights once
+    more as a whole version (the comparison: the servers' weights must not change); then, after one more change, a
+    push against a base no server holds, refused and sent whole in the same push, and that version whole again. Rank 0 prints `delta: {json}` per push and `digest:
+    {json}` (the servers' weight digests) after each."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from mgrpo.netutil import http_json
+
+    def digests():
+        if engine is None:
+            return None
+        return [
+            http_json(r.url, "GET", "/mgrpo/weights_digest", None, engine.headers, 30, engine.ssl, r.name)["workers"]
+            for r in engine.replicas
+        ]
+
+    def push(version, label):
+        receipt = transport.send_model(actor.models(), version)
+        if dist.get_rank() == 0:
+            print("delta: " + json.dumps(dict(label=label, version=version, **receipt["delta"])), flush=True)
+            print("digest: " + json.dumps(dict(label=label, digests=digests())), flush=True)
+
+    transport = transport_cls(engine, args.bucket_mb << 20, delta=True)
+    g = torch.Generator().manual_seed(
+        1000 * mpu.get_pipeline_model_parallel_rank() + mpu.get_tensor_model_parallel_rank()
+    )
+    version = args.version
+
+    def change():
+        with torch.no_grad():
+            for p in (p for m in actor.models() for p in m.parameters()):
+                moved = (torch.rand(p.shape, generator=g) < 0.03).to(p.dtype) * torch.randn(p.shape, generator=g)
+                p.add_(1e-3 * moved)
+
+    def whole(label):  # every rank: the same weights as a whole version
+        nonlocal version
+        transport.base_version, version = None, version + 1
+        push(version, label)
+
+    push(version, "first")
+    for step in range(args.delta_steps):
+        change()
+        version += 1
+        push(version, f"delta{step}")
+    whole("whole")
+    change()
+    transport.base_version = 999  # a base no server holds (the owner believes they do): refused, then whole
+    if engine is not None:
+        for r in engine.replicas:
+            r.version = 999
+    version += 1
+    push(version, "wrong_base")
+    whole("whole_after_fallback")
     transport.close()
     dist.barrier()
     dist.destroy_process_group()

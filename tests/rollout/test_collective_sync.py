@@ -5,7 +5,8 @@ before loading it, the other loads buckets as they arrive).
 After a push from a megatron actor at TP1 (in this process), TP2 and TP2xPP2 (torchrun; two senders, one per
 stage) both replicas hold the version and their greedy and seeded logprobs equal the trainer's own forward. A
 peer with a wrong nonce is refused; a server stopped (SIGSTOP) mid-broadcast fails the update within the timeout, is
-excluded, and after a restart gets new groups and the current weights. The tiny task trains end to end.
+excluded, and after a restart gets new groups and the current weights. PP2 stage senders send deltas that give
+bitwise the weights of a whole push. The tiny task trains end to end (with deltas).
 """
 
 import json
@@ -184,6 +185,68 @@ def test_a_server_stopped_mid_broadcast_is_excluded_and_rejoins(single_rank, env
     transport.close()
 
 
+def test_pp2_stage_senders_each_send_their_own_deltas_and_give_the_weights_of_a_whole_push(single_rank, env):
+    """rollout.remote.delta over the collective transport at PP2 (torchrun, two stage senders): version 8 whole,
+    five pushes after sparse changes (3% of the elements), each stage sending what changed against its own base
+    (a fraction of its dense bytes); then the same weights as a whole version leave both servers' weights
+    bitwise as they were (xxh3 of every vLLM parameter; the staged server and the streamed one). A push against a
+    base no server holds is refused by both and sent whole in the same push. Negative control: the digests tell
+    the versions apart."""
+    from mgrpo.parallel.distributed import free_port
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
+            "--pp",
+            "2",
+            "--model",
+            env["new"],
+            "--version",
+            "8",
+            "--delta-steps",
+            "5",
+            "--servers",
+            ",".join(s.url for s in env["servers"]),
+            "--run-id",
+            RUN,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    pushes = [json.loads(x[7:]) for x in lines if x.startswith("delta: ")]
+    digest = {d["label"]: d["digests"] for d in (json.loads(x[8:]) for x in lines if x.startswith("digest: "))}
+    names = sorted(s.url[7:] for s in env["servers"])
+    for p in pushes:
+        stages = {st["stage"]: round(st["wire_bytes"] / st["dense_bytes"], 3) for st in p["stages"]}
+        print(
+            f"{p['label']} v{p['version']}: servers {p['servers']}, fallback {p['full_fallback']}, wire/dense {stages}"
+        )
+    first, deltas, whole, wrong, again = pushes[0], pushes[1:6], pushes[6], pushes[7], pushes[8]
+    assert first["servers"] == [] and first["base"] is None
+    for p in deltas:  # both stages sent their own deltas, each a fraction of its dense bytes
+        assert (
+            p["servers"] == names and p["full_fallback"] == [] and sorted(st["stage"] for st in p["stages"]) == [0, 1]
+        )
+        assert all(0 < st["wire_bytes"] < 0.5 * st["dense_bytes"] for st in p["stages"]), p["stages"]
+    assert digest["delta4"] != digest["delta3"] != digest["first"], "negative control: the digests must differ"
+    assert whole["servers"] == [] and digest["whole"] == digest["delta4"], "deltas gave other weights than a whole push"
+    assert wrong["base"] == 999 and wrong["full_fallback"] == names and wrong["servers"] == [], wrong
+    assert digest["wrong_base"] != digest["whole"] and digest["whole_after_fallback"] == digest["wrong_base"]
+    assert again["servers"] == [] and versions(env["servers"]) == [16, 16]
+
+
 def test_the_tiny_task_trains_with_collective_sync(env, tmp_path):
     out = tmp_path / "run"
     env_vars = {
@@ -207,6 +270,8 @@ def test_the_tiny_task_trains_with_collective_sync(env, tmp_path):
             "collective",
             "--rollout.remote.take_over",
             "true",
+            "--rollout.remote.delta",
+            "true",
             "--train.steps",
             "12",
             "--logging.output_dir",
@@ -226,5 +291,8 @@ def test_the_tiny_task_trains_with_collective_sync(env, tmp_path):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first5 = sum(m["reward/mean"] for m in rows[:5]) / 5
     last5 = sum(m["reward/mean"] for m in rows[-5:]) / 5
-    print(f"collective sync: reward first5 {first5:.3f} -> last5 {last5:.3f}")
+    fallbacks = sum(m.get("sync/full_fallbacks", 0) for m in rows)
+    changed = [round(m["sync/delta_changed"], 3) for m in rows if "sync/delta_changed" in m]
+    print(f"collective sync with deltas: reward first5 {first5:.3f} -> last5 {last5:.3f}; changed {changed}")
     assert last5 >= first5 + 0.2 and versions(env["servers"]) == [12, 12]
+    assert fallbacks == 0 and all("sync/delta_changed" in m for m in rows[1:]), rows[-1]
