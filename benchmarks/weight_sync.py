@@ -10,16 +10,20 @@ reload) and cache reset; peak RSS above the starting point is sampled on both si
     python benchmarks/weight_sync.py [--model 100m|tiny] [--reps 2] [--delta-only | --skip-delta]
 
 Then the delta rows (benchmarks/weight_sync_delta.py): an ~85M bf16 model trained real steps at LR 1e-6 and 1e-5,
-each step pushed whole and as a delta to a bf16 server, on loopback and an emulated 1 Gb/s link.
+each step pushed whole and as a delta to a bf16 server, on loopback and an emulated 1 Gb/s link; then the LR 1e-6
+steps again by collective broadcast from a bf16 megatron actor at TP1 and TP2xPP2 (each stage sender sending its own
+deltas), each step as a delta then whole.
 
 Ends with one line: result: http_s=... collective_s=... limit_s=... collective_vs_http=... collective_vs_limit=...
 peak_rss_mb=... delta_bytes_frac=... delta_http_speedup=... (the HTTP figure is the default 64 MB xxh3_128 path;
-ratios are speedups at TP1; the delta figures at LR 1e-6, on loopback unless named)
+ratios are speedups at TP1; the delta figures at LR 1e-6, on loopback unless named) delta_collective_tp1pp1_speedup=...
+delta_collective_tp2pp2_speedup=... (and their bytes fractions and bitwise pairs)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -179,7 +183,6 @@ def push_tp2_pp2(model: str, port: int, version: int) -> dict:
     )
     if r.returncode:
         sys.exit("the TP2xPP2 push failed:\n" + r.stderr[-3000:])
-    import json
 
     return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
 
@@ -316,10 +319,57 @@ def delta_rows() -> dict:
         port = free_port()
         server = start_server(model, port, os.path.join(root, "server.log"), ("--dtype", "bfloat16"))
         try:
-            return run(model, port, TOKEN)
+            out, saved, version = run(model, port, TOKEN, save_dir=root)
+            for tp, pp in ((1, 1), (2, 2)):  # the LR 1e-6 steps again, over the collective transport
+                rows = collective_delta(model, port, tp, pp, saved[1e-6], version + 1)
+                version += len(rows) + 1
+                out.update(collective_summary(rows, f"tp{tp}pp{pp}"))
+            return out
         finally:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def collective_delta(model: str, port: int, tp: int, pp: int, folders: list, version: int) -> list:
+    """Each training step's weights pushed by collective broadcast as a delta then whole, at TP x PP (torchrun;
+    one sender per stage), bf16, 64 MB buckets; rows as tests/rollout/collective_push.py prints them."""
+    from mgrpo.parallel.distributed import free_port
+
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp)]
+    cmd += ["--master-port", str(free_port()), os.path.join(ROOT, "tests", "rollout", "collective_push.py")]
+    cmd += ["--tp", str(tp), "--pp", str(pp), "--model", model, "--version", str(version), "--bucket-mb", "64"]
+    cmd += ["--servers", f"http://127.0.0.1:{port}", "--run-id", "benchmark-delta", "--params-dtype", "bfloat16"]
+    cmd += ["--delta-dirs", ",".join(folders)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, MGRPO_SERVER_TOKEN=TOKEN), timeout=1800)
+    if r.returncode:
+        sys.exit(f"the TP{tp}xPP{pp} collective delta pushes failed:\n" + r.stderr[-3000:])
+    return [json.loads(x[5:]) for x in r.stdout.splitlines() if x.startswith("row: ")]
+
+
+def collective_summary(rows: list, layout: str) -> dict:
+    """Delta vs whole push of the same weights over the collective transport: medians, bytes, bitwise pairs."""
+    import statistics
+
+    print(f"\ncollective {layout} (bf16, LR 1e-6, loopback gloo): step, push, wall s, MB, of dense, digest")
+    for r in rows:
+        print(
+            f"  {r['step']:2d} {r['kind']:6} {r['total_s']:7.2f} {r['bytes'] / 1e6:8.1f} "
+            f"{r['bytes'] / r['dense_bytes']:7.3f} {r['digest'][:12]}"
+        )
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    wholes = [r for r in rows if r["kind"] == "whole" and r["step"] > 0]
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a["kind"] == "delta" and b["kind"] == "whole"]
+    out = {
+        f"delta_collective_{layout}_speedup": statistics.median(r["total_s"] for r in wholes)
+        / statistics.median(r["total_s"] for r in deltas),
+        f"delta_collective_{layout}_bytes_frac": statistics.median(r["bytes"] / r["dense_bytes"] for r in deltas),
+        f"delta_collective_{layout}_bitwise": sum(a["digest"] == b["digest"] for a, b in pairs) / max(len(pairs), 1),
+    }
+    for k, v in out.items():
+        print(f"{k}: {v:.3f}")
+    return out
 
 
 def delta_result(d: dict) -> str:
@@ -327,7 +377,8 @@ def delta_result(d: dict) -> str:
         f"delta_bytes_frac={d['delta_bytes_frac_1e-06']:.4f} idx_val_bytes_frac={d['idx_val_bytes_frac_1e-06']:.4f} "
         f"delta_bytes_frac_lr1e-5={d['delta_bytes_frac_1e-05']:.4f} delta_http_speedup={d['delta_http_speedup_1e-06']:.2f} "
         f"delta_http_1gbps_speedup={d['delta_http_1gbps_speedup_1e-06']:.2f} "
-        f"delta_bitwise_bf16={d['delta_bitwise_pairs']:.2f}"
+        f"delta_bitwise_bf16={d['delta_bitwise_pairs']:.2f} "
+        + " ".join(f"{k}={v:.3f}" for k, v in d.items() if k.startswith("delta_collective_"))
     )
 
 

@@ -67,8 +67,17 @@ def training_batches(model_dir: str, n: int = 8, length: int = 64):
     return torch.tensor(ids)
 
 
-def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3, bucket_bytes: int = 64 << 20) -> dict:
-    """Rows per (LR, link, kind) and the figures for the result line."""
+def run(
+    model_dir: str,
+    port: int,
+    token: str,
+    lrs=(1e-6, 1e-5),
+    steps: int = 3,
+    bucket_bytes: int = 64 << 20,
+    save_dir: str | None = None,
+) -> tuple:
+    """(figures for the result line, {lr: [weight folders, one per training step, the untrained one first]} when
+    `save_dir` is given (bf16 safetensors, for the collective rows), the last version pushed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +95,7 @@ def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3,
         full_every=2,
     )
     batch = training_batches(model_dir)
-    rows, version = [], 0
+    rows, version, saved = [], 0, {}
     for lr in lrs:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -97,6 +106,20 @@ def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3,
         def weights():
             return [(n, p.detach().to(torch.bfloat16)) for n, p in model.state_dict().items()]
 
+        def save():
+            if save_dir is None:
+                return
+            from safetensors.torch import save_file
+
+            folder = os.path.join(save_dir, f"lr{lr:.0e}-{len(saved.setdefault(lr, [])):02d}")
+            os.makedirs(folder)
+            tied = model.config.tie_word_embeddings
+            save_file(
+                {n: t for n, t in weights() if not (tied and n == "lm_head.weight")}, f"{folder}/model.safetensors"
+            )
+            saved[lr].append(folder)
+
+        save()
         transport.send(iter(weights()), version)
         for step in range(1, steps + 1):
             for link, rate in LINKS.items():  # a real training step for each link, so each delta is one step's
@@ -132,9 +155,10 @@ def run(model_dir: str, port: int, token: str, lrs=(1e-6, 1e-5), steps: int = 3,
                             digest=digest,
                         )
                     )
+                save()  # after the step's pushes: its writes would compete with their encode
         transport.close()
     engine.close()
-    return summarize(rows)
+    return summarize(rows), saved, version
 
 
 def summarize(rows: list) -> dict:

@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=1)
     ap.add_argument("--engine", choices=("remote", "sglang"), default="remote")
     ap.add_argument("--delta-steps", type=int, default=0, help="> 0: deltas (see delta_pushes)")
+    ap.add_argument("--delta-dirs", default="", help="HF weight folders: each pushed as a delta, then whole")
+    ap.add_argument("--params-dtype", default="float32")
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -61,7 +63,8 @@ def main() -> None:
     from mgrpo.weights.transports.collective import CollectiveTransport
 
     cfg = load_config(
-        argv=["--model.path", args.model, "--parallel.tp", str(args.tp), "--parallel.pp", str(args.pp)],
+        argv=["--model.path", args.model, "--parallel.tp", str(args.tp), "--parallel.pp", str(args.pp)]
+        + ["--model.params_dtype", args.params_dtype],
         check_files=False,
     )
     init_distributed()
@@ -80,6 +83,8 @@ def main() -> None:
         )
     if args.delta_steps:
         return delta_pushes(args, actor, engine, CollectiveTransport)
+    if args.delta_dirs:
+        return delta_and_whole(args, actor, engine, CollectiveTransport)
     transport = CollectiveTransport(engine, args.bucket_mb << 20)
     peak = PeakRSS()
     receipt = transport.send_model(actor.models(), args.version)
@@ -151,6 +156,41 @@ def delta_pushes(args, actor, engine, transport_cls) -> None:
     version += 1
     push(version, "wrong_base")
     whole("whole_after_fallback")
+    transport.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def delta_and_whole(args, actor, engine, transport_cls) -> None:
+    """benchmarks/weight_sync.py's collective delta rows: each folder of `--delta-dirs` (one training step's
+    weights) loaded into the actor, pushed as a delta against the previous one, then whole (the same weights);
+    rank 0 prints `row: {json}` per push: wall time, bytes, the delta's figures and the server's weight digest."""
+    import time
+
+    import torch.distributed as dist
+
+    from mgrpo.netutil import http_json
+    from mgrpo.weights.load import load_hf
+
+    transport = transport_cls(engine, args.bucket_mb << 20, timeout_s=1200, delta=True)
+    version = args.version
+    for step, folder in enumerate(args.delta_dirs.split(",")):
+        load_hf(actor.models(), folder)
+        for kind in ("delta", "whole") if step else ("whole",):
+            if kind == "whole":
+                transport.base_version = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            receipt = transport.send_model(actor.models(), version)
+            total = time.perf_counter() - t0
+            if dist.get_rank() == 0:
+                r = engine.replicas[0]
+                digest = http_json(r.url, "GET", "/mgrpo/weights_digest", None, engine.headers, 60, engine.ssl, r.name)
+                row = dict(kind=kind, step=step, total_s=total, digest=digest["workers"][0]["digest"])
+                row.update({k: receipt[k] for k in ("bytes", "export_s", "transfer_s", "load_s", "senders")})
+                row.update(dense_bytes=receipt["delta"]["dense_bytes"], delta_servers=len(receipt["delta"]["servers"]))
+                print("row: " + json.dumps(row), flush=True)
+            version += 1
     transport.close()
     dist.barrier()
     dist.destroy_process_group()
