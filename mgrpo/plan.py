@@ -514,8 +514,8 @@ def weight_sync_lines(cfg, plan: dict) -> list:
         keeps = (
             f"each stage sender keeps its own stage's last version in host memory "
             f"({', '.join(f'{b / GiB:.1f}' for b in stages)} GiB for stages 0..{len(stages) - 1}, "
-            f"{cfg.model.params_dtype}); each worker of a server keeps {wire / GiB:.1f} GiB (the version it loaded; "
-            f"a server at TP 8 holds 8 copies)"
+            f"{cfg.model.params_dtype}); each server keeps {wire / GiB:.1f} GiB on its first worker (the version it "
+            f"loaded; the first worker decodes and shares each tensor with the others)"
         )
     return [
         line + " on a full push; deltas send what changed (~3-5% of it at LR 1e-6 on the ~85M model measured here)",

@@ -295,13 +295,13 @@ def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
 
 def test_the_72b_plan_shows_the_delta_bases_per_stage_sender_over_collective(capsys):
     """examples/qwen72b.yaml with rollout.remote.transport collective: each PP stage's sender keeps its own stage's
-    base (half of the 135.4 GiB bf16 model at PP 2), each server worker a whole copy."""
+    base (half of the 135.4 GiB bf16 model at PP 2), each server one whole copy on its first worker."""
     from mgrpo.plan import print_plan
 
     print_plan(["--config", "examples/qwen72b.yaml", "--rollout.remote.transport", "collective"], 16)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("delta base"))
     assert "each stage sender keeps its own stage's last version" in line and "67.7, 67.7 GiB" in line, line
-    assert "each worker of a server keeps 135.4 GiB" in line, line
+    assert "each server keeps 135.4 GiB on its first worker" in line, line
 
 
 def test_the_memory_estimate_is_within_30_percent_of_measured_rss():

