@@ -214,9 +214,17 @@ def launch(*args, timeout=120):
 
 
 def test_the_72b_example_plans_16_ranks_and_stops_with_one_line_without_a_gpu():
-    proc = launch("--config", "examples/qwen72b.yaml", "--tp", "8", "--pp", "2", "--print-plan", "--world-size", "16")
+    """Also, over the collective transport, the delta bases: each PP stage's sender keeps its own stage's (half of
+    the 135.4 GiB bf16 model at PP 2), each server one whole copy on its first worker."""
+    proc = launch(
+        *("--config", "examples/qwen72b.yaml", "--tp", "8", "--pp", "2", "--print-plan", "--world-size", "16"),
+        *("--rollout.remote.transport", "collective"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
+    line = next(x for x in out.splitlines() if x.startswith("delta base"))
+    assert "each stage sender keeps its own stage's last version" in line and "67.7, 67.7 GiB" in line, line
+    assert "each server keeps 135.4 GiB on its first worker" in line, line
     assert "layout: TP 8 x PP 2 x CP 1 x DP 1" in out and "TP     2 x 8: [0-7], [8-15]" in out
     assert "72,706,203,648 unique" in out  # Qwen2.5-72B's published count
     assert sum(1 for line in out.splitlines() if line.strip().split(" ")[0].isdigit()) == 16  # a row per rank
@@ -291,17 +299,6 @@ def test_layouts_that_do_not_divide_give_the_launch_errors(configs):
         print_plan(["--config", "examples/qwen72b.yaml"], 24)
     with pytest.raises(ConfigError, match=r"data.path='/path/to/gsm8k_train.jsonl' is the example's placeholder"):
         load_config(os.path.join(ROOT, "examples", "gsm8k.yaml"))
-
-
-def test_the_72b_plan_shows_the_delta_bases_per_stage_sender_over_collective(capsys):
-    """examples/qwen72b.yaml with rollout.remote.transport collective: each PP stage's sender keeps its own stage's
-    base (half of the 135.4 GiB bf16 model at PP 2), each server one whole copy on its first worker."""
-    from mgrpo.plan import print_plan
-
-    print_plan(["--config", "examples/qwen72b.yaml", "--rollout.remote.transport", "collective"], 16)
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("delta base"))
-    assert "each stage sender keeps its own stage's last version" in line and "67.7, 67.7 GiB" in line, line
-    assert "each server keeps 135.4 GiB on its first worker" in line, line
 
 
 def test_the_memory_estimate_is_within_30_percent_of_measured_rss():
