@@ -93,6 +93,18 @@ class PerStageSync(WeightSync):
     def send_model(self, model_chunks: list, version: int) -> dict | None:
         raise NotImplementedError
 
+    @staticmethod
+    def sender_totals(reports: list) -> dict:
+        """A receipt's sender side from every stage sender's report: bytes and buckets summed, times the slowest
+        sender's (they send at the same time)."""
+        return dict(
+            senders=len(reports),
+            bytes=sum(rep.get("bytes", 0) for rep in reports),
+            buckets=sum(rep.get("buckets", 0) for rep in reports),
+            export_s=max((rep.get("export_s", 0.0) for rep in reports), default=0.0),
+            transfer_s=max((rep.get("transfer_s", 0.0) for rep in reports), default=0.0),
+        )
+
 
 class NoEngine(StreamSync):
     """A rank that owns no engine: it drives its share of the export and sends nothing."""

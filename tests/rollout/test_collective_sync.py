@@ -90,34 +90,15 @@ def test_tp1_push_equals_the_trainer_on_both_replicas(single_rank, env):
     transport.close()
 
 
-@pytest.mark.parametrize("tp,pp,version", [(2, 1, 3), (2, 2, 4)])
-def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, version):
+def torchrun_push(env, nproc: int, *args):
+    """tests/rollout/collective_push.py under torchrun into both servers (as this module's trainer run)."""
     from mgrpo.parallel.distributed import free_port
 
-    model = env["new"] if pp == 1 else env["other"]
+    script = os.path.join(ROOT, "tests", "rollout", "collective_push.py")
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(tp * pp),
-            "--master-port",
-            str(free_port()),
-            os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
-            "--tp",
-            str(tp),
-            "--pp",
-            str(pp),
-            "--model",
-            model,
-            "--version",
-            str(version),
-            "--servers",
-            ",".join(s.url for s in env["servers"]),
-            "--run-id",
-            RUN,
-        ],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        + ["--master-port", str(free_port()), script, *args, "--run-id", RUN]
+        + ["--servers", ",".join(s.url for s in env["servers"])],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -125,6 +106,13 @@ def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, vers
         env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN),
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("tp,pp,version", [(2, 1, 3), (2, 2, 4)])
+def test_tp2_and_tp2xpp2_pushes_equal_the_trainer(single_rank, env, tp, pp, version):
+    model = env["new"] if pp == 1 else env["other"]
+    r = torchrun_push(env, tp * pp, "--tp", str(tp), "--pp", str(pp), "--model", model, "--version", str(version))
     receipt = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("receipt: "))[9:])
     print(f"TP{tp}xPP{pp} receipt:", receipt)
     assert receipt["senders"] == pp and versions(env["servers"]) == [version, version]
@@ -193,38 +181,7 @@ def test_pp2_stage_senders_each_send_their_own_deltas_and_give_the_weights_of_a_
     bitwise as they were (xxh3 of every vLLM parameter; the staged server and the streamed one). A push against a
     base no server holds is refused by both and sent whole in the same push. Negative control: the digests tell
     the versions apart."""
-    from mgrpo.parallel.distributed import free_port
-
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            os.path.join(ROOT, "tests", "rollout", "collective_push.py"),
-            "--pp",
-            "2",
-            "--model",
-            env["new"],
-            "--version",
-            "8",
-            "--delta-steps",
-            "5",
-            "--servers",
-            ",".join(s.url for s in env["servers"]),
-            "--run-id",
-            RUN,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=dict(os.environ, MGRPO_SERVER_TOKEN=TOKEN),
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun_push(env, 2, "--pp", "2", "--model", env["new"], "--version", "8", "--delta-steps", "5")
     lines = r.stdout.splitlines()
     pushes = [json.loads(x[7:]) for x in lines if x.startswith("delta: ")]
     digest = {d["label"]: d["digests"] for d in (json.loads(x[8:]) for x in lines if x.startswith("digest: "))}

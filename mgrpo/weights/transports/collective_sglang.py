@@ -204,11 +204,7 @@ class SGLangCollectiveTransport(PerStageSync):
             version=version,
             servers=sorted(receipts),
             transport="collective-sglang",
-            senders=len(self.senders),
-            bytes=sum(rep.get("bytes", 0) for rep in reports),
-            buckets=sum(rep.get("buckets", 0) for rep in reports),
-            export_s=max(rep.get("export_s", 0.0) for rep in reports),
-            transfer_s=max(rep.get("transfer_s", 0.0) for rep in reports),
+            **self.sender_totals(reports),
             total_s=time.perf_counter() - t0,
         )
 
