@@ -114,7 +114,7 @@ class CollectiveTransport(PerStageSync):
                 source = self._coded(source, delta=base is not None)
             reports, receipts, need_full = self._round(plan, targets, version, source, base, prune=True)
             again = share_json(sorted(need_full) if self.engine else [], [0])[0]
-            first_round = dict(receipts)
+            took_delta = sorted(receipts) if base is not None else []  # before the second round adds its own
             if again:  # refused deltas: the whole version from the senders' bases, in the same push
                 retry = [r for r in targets if r.name in again]
                 plan = share_json(self._open_new(retry) if self.engine else {}, [0])[0]
@@ -153,7 +153,7 @@ class CollectiveTransport(PerStageSync):
             out["delta"] = dict(
                 {k: sum(st.get(k, 0) for st in stages) for k in ("dense_bytes", "wire_bytes", "changed", "elements")},
                 base=base,
-                servers=sorted(set(first_round) - set(again)) if base is not None else [],
+                servers=took_delta,
                 full_fallback=list(again),
                 base_host_bytes=max(st.get("base_host_bytes", 0) for st in stages),
                 stages=stages,  # each stage sender's own: what it sent against its own base
