@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, reqs, run, trainer_logprobs
 
-from mgrpo.rollout.engines.hf import HFEngine, processed_logprobs, request_generator
+from mgrpo.rollout.engines.hf import HFEngine, inverse_cdf, processed_logprobs, request_generator
 from mgrpo.rollout.types import SamplingParams
 from mgrpo.weights.bucket import BucketError, make_buckets, view_buckets
 
@@ -40,12 +40,15 @@ def engine(model_dir):
 
 
 def _reference_sample(model, prompt, sp, gen):
-    """Independent sampler: a full forward of the growing sequence (no KV cache, no padding) per token."""
+    """Independent sampler: a full forward of the growing sequence (no KV cache, no padding) per token, and the
+    request's next uniform u placed on the float64 cumulative distribution (the first token whose sum exceeds u)."""
     ids, toks = list(prompt), []
     for _ in range(sp.max_tokens):
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-        tok = int(torch.multinomial(torch.softmax(logits / sp.temperature, -1), 1, generator=gen)[0])
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        cdf = torch.softmax(logits / sp.temperature, -1).cumsum(0).tolist()
+        u = float(torch.rand(1, generator=gen)[0]) * cdf[-1]
+        tok = next(i for i, c in enumerate(cdf) if c > u)
         toks.append(tok)
         ids.append(tok)
     return toks
@@ -177,3 +180,26 @@ def test_a_requests_own_max_tokens_limits_it_alone(engine):
     for i, (a, b) in enumerate(zip(full, got)):
         n = min(len(a.token_ids), len(b.token_ids))
         assert a.token_ids[:n] == b.token_ids[:n], f"request {i}: its own stream, whatever the others' limits"
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
+    """200k draws from a truncated distribution (zeros inside and at both ends): every frequency within 5
+    standard errors of its probability, and no token of probability 0 drawn, u = 0 included. Negative controls:
+    slightly biased uniforms (u ** 1.1) fail the frequency check, and the boundary on the other side
+    (`right=False`) draws token 0, whose probability is 0, at u = 0."""
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.05, 0.45, 0.0, 0.2, 0.0])
+    rows = probs.repeat(200_000, 1)
+    draws = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    se = (probs.double() * (1 - probs.double()) / len(draws)).sqrt()
+
+    def worst(picked):  # the largest |frequency - probability| in standard errors (zeros: any draw fails)
+        freq = torch.bincount(picked, minlength=len(probs)).double() / len(picked)
+        if (freq[probs == 0] > 0).any():
+            return float("inf")
+        return float(((freq - probs.double()).abs() / se.clamp_min(1e-12))[probs > 0].max())
+
+    assert worst(inverse_cdf(rows, draws)) <= 5
+    assert worst(inverse_cdf(rows, draws**1.1)) > 5, "negative control: a biased sampler must fail"
+    assert inverse_cdf(probs[None], torch.zeros(1)).tolist() == [1]
+    cdf = probs.cumsum(-1)[None]
+    assert torch.searchsorted(cdf, torch.zeros(1, 1), right=False).tolist() == [[0]], "negative control"

@@ -40,6 +40,15 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return torch.log_softmax(x, -1)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row: the first whose cumulative probability exceeds the row's uniform `u` in [0, 1) (scaled to
+    the row's total, so rounding never runs past the end). A token of probability 0 is never the first past `u`:
+    the token before it reaches the same sum. One vectorised draw for the batch instead of a multinomial per row."""
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_max(probs.shape[-1] - 1)
+
+
 def request_generator(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(int(seed) % (1 << 63))
@@ -129,19 +138,17 @@ class HFEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        gens = [request_generator(r.seed) for r in requests]
+        # each row's uniforms from its own generator, drawn once (a prefix of the same stream whatever the length)
+        draws = torch.stack([torch.rand(sp.max_tokens, generator=request_generator(r.seed)) for r in requests])
         done = torch.zeros(b, dtype=torch.bool)
         tokens, logps = [], []
-        for _ in range(sp.max_tokens):
+        for step in range(sp.max_tokens):
             dist = processed_logprobs(out.logits[:, -1], sp.temperature, sp.top_k, sp.top_p)
-            nxt = torch.full((b,), self.pad, dtype=torch.long)
-            probs = None if sp.temperature == 0 else dist.float().exp().cpu()  # seeded draws on the host
-            top = dist.argmax(-1).cpu() if sp.temperature == 0 else None
-            for i in range(b):  # each row from its own stream; finished rows draw nothing
-                if done[i]:
-                    continue
-                nxt[i] = top[i] if probs is None else torch.multinomial(probs[i], 1, generator=gens[i])[0]
-            nxt = nxt.to(self.device)
+            if sp.temperature == 0:
+                nxt = dist.argmax(-1).cpu()
+            else:
+                nxt = inverse_cdf(dist.float().exp().cpu(), draws[:, step])
+            nxt = nxt.masked_fill(done, self.pad).to(self.device)  # finished rows: padding
             tokens.append(nxt)
             logps.append(dist.gather(-1, nxt[:, None])[:, 0])
             if not sp.ignore_eos:
