@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.roofline import Machine  # noqa: E402
-from benchmarks.vs_trl import SIZES, TRL_PY, run_mgrpo, run_trl, summary  # noqa: E402
+from benchmarks.vs_trl import POLICIES, SIZES, TRL_PY, run_mgrpo, run_trl, summary  # noqa: E402
 from mgrpo.models.tiny import make_tiny_hf  # noqa: E402
 
 
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--batches", default="4,8,16")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     ap.add_argument("--size", default="mid", choices=sorted(SIZES), help="tiny: a quick try of the script")
+    ap.add_argument("--policy", default="PASSIVE", choices=POLICIES, help="OpenMP wait policy, the same for both")
     args = ap.parse_args()
     if not os.path.exists(TRL_PY):
         raise SystemExit("TRL's venv is missing: run `bash scripts/setup.sh --with-peers`")
@@ -81,6 +82,7 @@ def main() -> None:
     machine = Machine.measure(args.threads)
     print(f"limits on {args.threads} threads (measured now): {machine}")
     print("clock: wall time between two steps' lines, watched from outside, the same way for both tools")
+    print(f"OpenMP wait policy, the same for both tools: {args.policy}")
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     grid = [("length", 4, t) for t in lengths] + [("batch", p, 64) for p in batches if (p, 64) != (4, lengths[0])]
@@ -89,8 +91,8 @@ def main() -> None:
         model = make_tiny_hf(os.path.join(work, "model"), seed=0, **SIZES[args.size]["model"])
         for sweep, prompts, tokens in grid:
             size = dict(SIZES[args.size], max_tokens=tokens)
-            mine = run_mgrpo(model, size, "hf", args.steps, work, args.threads, prompts=prompts)
-            peer = run_trl(model, size, args.steps, work, args.threads, prompts=prompts)
+            mine = run_mgrpo(model, size, "hf", args.steps, work, args.threads, prompts=prompts, policy=args.policy)
+            peer = run_trl(model, size, args.steps, work, args.threads, prompts=prompts, policy=args.policy)
             prompt_tokens = statistics.median(mine["prompt_tokens"])
             a = summary(mine, args.warmup, model, machine, prompt_tokens, prompts=prompts)
             b = summary(peer, args.warmup, model, machine, prompt_tokens, prompts=prompts)

@@ -16,9 +16,15 @@ sides), the median of the steps after `--warmup`. The bound is roofline.py's (tr
 measured GEMM rate, each decode step at the slower of its FLOPs and its bytes at the measured bandwidth);
 efficiency = bound / wall step, for every run.
 
-    .venv/bin/python benchmarks/vs_trl.py [--steps 6] [--warmup 2] [--skip-mid] [--skip-trl]
+Both tools of a pair run under the same OpenMP wait policy, named in the environment (the idle threads of libgomp
+spin or sleep between parallel regions; at the tiny size that alone moves a step ~1.7x): the tiny pair under each
+of PASSIVE (mgrpo's CPU default, the headline), ACTIVE (spin: fastest on a quiet machine) and "own" (each tool's
+default: mgrpo PASSIVE, TRL libgomp's spin-then-sleep); the ~85M pairs under one (`--mid-policy`, PASSIVE: the
+vLLM engine's worker shares the cores with the trainer, where spinning threads would steal them).
 
-Ends with `result: tiny_hf_speedup=... mid_hf_speedup=... mid_vllm_speedup=... mid_best_efficiency=...
+    .venv/bin/python benchmarks/vs_trl.py [--steps 6] [--warmup 2] [--skip-mid] [--skip-trl] [--policies ...]
+
+Ends with `result: tiny_hf_speedup=... tiny_hf_speedup_active=... tiny_hf_speedup_own=... mid_hf_speedup=... mid_vllm_speedup=... mid_best_efficiency=...
 trl_mid_efficiency=...` (speedup = TRL's wall step / mgrpo's).
 """
 
@@ -71,6 +77,20 @@ SIZES = {
     ),
 }
 PROMPTS_PER_STEP, N, MICRO = 8, 4, 8
+# libgomp's wait policy, set the same for both tools: mgrpo sets PASSIVE on CPU machines unless the environment
+# names one (mgrpo/parallel/omp.py), TRL leaves libgomp's default (spin, then sleep). At the tiny size that choice
+# alone moves a step ~1.7x, more than anything the tools do differently, so a pair runs under one named policy;
+# "own" gives each tool its own default (what a user gets out of the box).
+POLICIES = ("PASSIVE", "ACTIVE", "own")
+
+
+def tool_env(threads: int, policy: str, **extra) -> dict:
+    """The child's environment: its threads, and the wait policy (for "own", none: each tool picks)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **extra)
+    env.pop("OMP_WAIT_POLICY", None)
+    if policy != "own":
+        env["OMP_WAIT_POLICY"] = policy
+    return env
 
 
 class StepClock:
@@ -108,9 +128,16 @@ def run_watched(cmd, env, cwd, watch: str) -> tuple:
 
 
 def run_mgrpo(
-    model: str, size: dict, engine: str, steps: int, work: str, threads: int, prompts: int = PROMPTS_PER_STEP
+    model: str,
+    size: dict,
+    engine: str,
+    steps: int,
+    work: str,
+    threads: int,
+    prompts: int = PROMPTS_PER_STEP,
+    policy: str = "PASSIVE",
 ) -> dict:
-    out = os.path.join(work, f"mgrpo-{engine}-{prompts}-{size['max_tokens']}")
+    out = os.path.join(work, f"mgrpo-{engine}-{prompts}-{size['max_tokens']}-{policy}")
     cmd = [
         sys.executable,
         os.path.join(ROOT, "launch", "train_grpo.py"),
@@ -143,8 +170,7 @@ def run_mgrpo(
         "--logging.completions_interval",
         "0",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    r, wall = run_watched(cmd, env, ROOT, os.path.join(out, "metrics.jsonl"))
+    r, wall = run_watched(cmd, tool_env(threads, policy), ROOT, os.path.join(out, "metrics.jsonl"))
     if r.returncode:
         raise SystemExit(f"mgrpo ({engine}) failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -169,6 +195,7 @@ def run_trl(
     threads: int,
     vllm: bool = False,
     prompts: int = PROMPTS_PER_STEP,
+    policy: str = "PASSIVE",
 ) -> dict:
     """TRL's run; with `vllm` its colocated vLLM: {"error": first line} where TRL cannot run it."""
     spec = dict(
@@ -184,11 +211,11 @@ def run_trl(
         threads=threads,
         workdir=os.path.join(work, "trl"),
         vllm=vllm,
-        steps_file=os.path.join(work, f"trl-steps-{int(vllm)}-{prompts}-{size['max_tokens']}.jsonl"),
+        steps_file=os.path.join(work, f"trl-steps-{int(vllm)}-{prompts}-{size['max_tokens']}-{policy}.jsonl"),
     )
     path, out = os.path.join(work, "trl-spec.json"), os.path.join(work, "trl.json")
     json.dump(spec, open(path, "w"))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env = tool_env(threads, policy, TOKENIZERS_PARALLELISM="false")
     cmd = [TRL_PY, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--spec", path, "--out", out]
     r, wall = run_watched(cmd, env, work, spec["steps_file"])
     if r.returncode:
@@ -234,63 +261,78 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--skip-mid", action="store_true")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument(
+        "--policies",
+        default="PASSIVE,ACTIVE,own",
+        help="OpenMP wait policies of the tiny pairs, each set the same for both tools (own: each tool's default)",
+    )
+    ap.add_argument("--mid-policy", default="PASSIVE", choices=POLICIES, help="the ~85M pairs' policy (one)")
     args = ap.parse_args()
+    policies = [p for p in args.policies.split(",") if p]
+    if any(p not in POLICIES for p in policies):
+        raise SystemExit(f"--policies: each one of {', '.join(POLICIES)} (got {args.policies})")
     if not args.skip_trl and not os.path.exists(TRL_PY):
         raise SystemExit("TRL's venv is missing: run `bash scripts/setup.sh --with-peers` (or pass --skip-trl)")
     machine = Machine.measure(args.threads)
     print(f"limits on {args.threads} threads (measured now): {machine}")
     print("clock: wall time between two steps' lines, watched from outside, the same way for both tools")
+    print(f"OpenMP wait policy, the same for both tools of a pair: tiny {policies}, ~85M {args.mid_policy}")
     results, notes = {}, []
     for name, size in SIZES.items():
         if name == "mid" and args.skip_mid:
             continue
         with tempfile.TemporaryDirectory() as work:
             model = make_tiny_hf(os.path.join(work, "model"), seed=0, **size["model"])
-            runs = {"mgrpo-hf": run_mgrpo(model, size, "hf", args.steps, work, args.threads)}
-            if not args.skip_trl:
-                runs["trl-hf"] = run_trl(model, size, args.steps, work, args.threads)
-            if name == "mid":
-                runs["mgrpo-vllm"] = run_mgrpo(model, size, "vllm", args.steps, work, args.threads)
+            for policy in policies if name == "tiny" else [args.mid_policy]:
+                runs = {"mgrpo-hf": run_mgrpo(model, size, "hf", args.steps, work, args.threads, policy=policy)}
                 if not args.skip_trl:
-                    rec = run_trl(model, size, args.steps, work, args.threads, vllm=True)
-                    if "error" in rec:
-                        notes.append(f"TRL's colocated vLLM did not run here: {rec['error']}")
-                    else:
-                        runs["trl-vllm"] = rec
-            prompts = statistics.median(runs["mgrpo-hf"]["prompt_tokens"])  # TRL's record has none: the same prompts
-            for who, rec in runs.items():
-                results[(name, who)] = summary(rec, args.warmup, model, machine, prompts)
+                    runs["trl-hf"] = run_trl(model, size, args.steps, work, args.threads, policy=policy)
+                if name == "mid":
+                    runs["mgrpo-vllm"] = run_mgrpo(model, size, "vllm", args.steps, work, args.threads, policy=policy)
+                    if not args.skip_trl:
+                        rec = run_trl(model, size, args.steps, work, args.threads, vllm=True, policy=policy)
+                        if "error" in rec:
+                            notes.append(f"TRL's colocated vLLM did not run here: {rec['error']}")
+                        else:
+                            runs["trl-vllm"] = rec
+                prompts = statistics.median(runs["mgrpo-hf"]["prompt_tokens"])  # TRL's record has none: the same
+                for who, rec in runs.items():
+                    results[(name, policy, who)] = summary(rec, args.warmup, model, machine, prompts)
     print(
-        f"\n{'size':5} {'run':10} {'wall s':>7} {'inside':>7} {'rollout':>8} {'train':>7} {'sync':>6} {'tok/s':>7} "
-        f"{'bound s':>8} {'(train':>7} {'prefill':>8} {'decode)':>8} {'effic.':>7} {'reward first->last':>19}"
+        f"\n{'size':5} {'policy':7} {'run':10} {'wall s':>7} {'inside':>7} {'rollout':>8} {'train':>7} {'sync':>6} "
+        f"{'tok/s':>7} {'bound s':>8} {'(train':>7} {'prefill':>8} {'decode)':>8} {'effic.':>7} "
+        f"{'reward first->last':>19}"
     )
-    for (name, who), s in results.items():
+    for (name, policy, who), s in results.items():
         b = s["bound"]
         print(
-            f"{name:5} {who:10} {s['step']:7.2f} {s['inside_step']:7.2f} {s['rollout']:8.2f} {s['train']:7.2f} "
-            f"{s['sync']:6.2f} {s['tokens_per_s']:7.1f} {b['step']:8.2f} {b['train']:7.2f} {b['prefill']:8.2f} "
-            f"{b['decode']:8.2f} {s['efficiency']:7.2f} {s['reward_first']:8.3f} -> {s['reward_last']:.3f}"
+            f"{name:5} {policy:7} {who:10} {s['step']:7.2f} {s['inside_step']:7.2f} {s['rollout']:8.2f} "
+            f"{s['train']:7.2f} {s['sync']:6.2f} {s['tokens_per_s']:7.1f} {b['step']:8.2f} {b['train']:7.2f} "
+            f"{b['prefill']:8.2f} {b['decode']:8.2f} {s['efficiency']:7.2f} {s['reward_first']:8.3f} -> "
+            f"{s['reward_last']:.3f}"
         )
     for note in notes:
         print(note)
     line = {}
 
-    def ratio(size, mine, peer, key):
-        if (size, mine) in results and (size, peer) in results:
-            line[key] = results[(size, peer)]["step"] / results[(size, mine)]["step"]
-            print(f"{size}: {mine} vs {peer}: {line[key]:.2f}x (TRL's wall step / mgrpo's)")
+    def ratio(size, policy, mine, peer, key):
+        if (size, policy, mine) in results and (size, policy, peer) in results:
+            line[key] = results[(size, policy, peer)]["step"] / results[(size, policy, mine)]["step"]
+            print(f"{size} ({policy}): {mine} vs {peer}: {line[key]:.2f}x (TRL's wall step / mgrpo's)")
 
-    ratio("tiny", "mgrpo-hf", "trl-hf", "tiny_hf_speedup")
-    ratio("mid", "mgrpo-hf", "trl-hf", "mid_hf_speedup")
-    if ("mid", "trl-vllm") in results:
-        ratio("mid", "mgrpo-vllm", "trl-vllm", "mid_vllm_speedup")
+    for i, policy in enumerate(policies):  # the first policy is the headline; the others carry their name
+        ratio("tiny", policy, "mgrpo-hf", "trl-hf", "tiny_hf_speedup" + ("" if i == 0 else f"_{policy.lower()}"))
+    mid = args.mid_policy
+    ratio("mid", mid, "mgrpo-hf", "trl-hf", "mid_hf_speedup")
+    if ("mid", mid, "trl-vllm") in results:
+        ratio("mid", mid, "mgrpo-vllm", "trl-vllm", "mid_vllm_speedup")
     else:  # the labelled pair: mgrpo's vLLM against what TRL runs here
-        ratio("mid", "mgrpo-vllm", "trl-hf", "mid_vllm_vs_trl_default")
-    mid = [s for (size, who), s in results.items() if size == "mid" and who.startswith("mgrpo")]
-    if mid:
-        line["mid_best_efficiency"] = max(s["efficiency"] for s in mid)
-    if ("mid", "trl-hf") in results:
-        line["trl_mid_efficiency"] = results[("mid", "trl-hf")]["efficiency"]
+        ratio("mid", mid, "mgrpo-vllm", "trl-hf", "mid_vllm_vs_trl_default")
+    best = [s for (size, _, who), s in results.items() if size == "mid" and who.startswith("mgrpo")]
+    if best:
+        line["mid_best_efficiency"] = max(s["efficiency"] for s in best)
+    if ("mid", mid, "trl-hf") in results:
+        line["trl_mid_efficiency"] = results[("mid", mid, "trl-hf")]["efficiency"]
     line["gemm_gflops"], line["bandwidth_gbs"] = machine.gemm / 1e9, machine.bw / 1e9
     print("result: " + " ".join(f"{k}={v:.2f}" for k, v in line.items()))
 
