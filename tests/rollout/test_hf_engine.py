@@ -203,3 +203,32 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
     assert inverse_cdf(probs[None], torch.zeros(1)).tolist() == [1]
     cdf = probs.cumsum(-1)[None]
     assert torch.searchsorted(cdf, torch.zeros(1, 1), right=False).tolist() == [[0]], "negative control"
+
+
+def test_a_prompt_asked_n_times_is_prefilled_once_and_samples_as_if_alone(engine, model_dir, monkeypatch):
+    """4 prompts x 3 samples: the first forward has 4 rows (one per distinct prompt) and every sample's tokens
+    and logprobs equal those of the same request run alone (an engine of one row per batch: no sharing), logprobs
+    within 1e-5 (batch-shape rounding). Negative control: the shared prefill's KV rows handed out in the wrong
+    order give other samples."""
+    sp = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    requests = reqs(seed=5, n=3)
+    first_rows = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda m, args, kw: first_rows.append(kw["input_ids"].shape) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True,
+    )
+    try:
+        shared = run(engine, requests, sp)
+    finally:
+        hook.remove()
+    assert [s[0] for s in first_rows] == [len(PROMPTS)], first_rows
+    alone = run(make_engine(model_dir, max_num_seqs=1), requests, sp)
+    assert [o.token_ids for o in shared] == [o.token_ids for o in alone]
+    diff = max(abs(p - q) for x, y in zip(shared, alone) for p, q in zip(x.logprobs, y.logprobs))
+    print(f"shared prefill vs one request per batch: same tokens, max logprob difference {diff:.1e}")
+    assert diff <= 1e-5
+    from transformers.cache_utils import Cache
+
+    reorder = Cache.reorder_cache
+    monkeypatch.setattr(Cache, "reorder_cache", lambda self, rows: reorder(self, rows.roll(3)))
+    assert [o.token_ids for o in run(engine, requests, sp)] != [o.token_ids for o in shared], "negative control"

@@ -78,6 +78,7 @@ class HFEngine:
         self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
         self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
+        self._prefill_rows = 0  # rows of the first forward of the batch in flight (its distinct prompts)
         from mgrpo.models.qwen3_moe import per_expert_views
 
         # a tied lm_head is not listed separately; fused MoE experts are addressed one expert at a time
@@ -98,7 +99,8 @@ class HFEngine:
         layer_picks = []
 
         def picked(module, args, out):  # HF's router returns (logits, weights, indices [batch x tokens, topk])
-            layer_picks.append(out[2].view(len(requests), -1, out[2].shape[-1]).cpu())
+            rows = len(requests) if calls else self._prefill_rows  # the first call runs each prompt once
+            layer_picks.append(out[2].view(rows, -1, out[2].shape[-1]).cpu())
             if len(layer_picks) == len(self._routers):
                 calls.append(torch.stack(layer_picks, 2))
                 layer_picks.clear()
@@ -106,7 +108,7 @@ class HFEngine:
         hooks = [r.register_forward_hook(picked) for r in self._routers]
         limits = [r.max_tokens or sp.max_tokens for r in requests]  # each request's own (a data row's max_tokens)
         try:
-            rows, lps = self._sample(requests, replace(sp, max_tokens=max(limits)))
+            rows, lps, prompt_row = self._sample(requests, replace(sp, max_tokens=max(limits)))
         finally:
             for h in hooks:
                 h.remove()
@@ -117,7 +119,7 @@ class HFEngine:
             end = row.index(self.eos) + 1 if stop else len(row)
             routed = None
             if calls:  # the prompt's tokens (left-padded in the first call), then each fed response token
-                first = calls[0][i, calls[0].shape[1] - len(r.prompt_ids) :]
+                first = calls[0][prompt_row[i], calls[0].shape[1] - len(r.prompt_ids) :]
                 routed = encode_routing(torch.cat([first, *[c[i] for c in calls[1:end]]]).numpy())
             out_.append(
                 GenerationResponse(
@@ -127,23 +129,37 @@ class HFEngine:
         return out_
 
     def _sample(self, requests: list, sp: SamplingParams) -> tuple:
-        """Token ids and logprobs of each row, every row up to the longest (one forward per new token)."""
-        b, longest = len(requests), max(len(r.prompt_ids) for r in requests)
+        """Token ids and logprobs of each row, every row up to the longest (one forward per new token), and the
+        row of each request's prompt in the first forward.
+
+        A prompt asked for n times (GRPO's group) is prefilled once and its KV cache copied to its n rows, as
+        vLLM's prefix cache would (1/n of the prefill's FLOPs); only the last position's logits are computed."""
+        b = len(requests)
         self.requests_peak, self.requests_served = max(self.requests_peak, b), self.requests_served + b
-        ids = torch.full((b, longest), self.pad, dtype=torch.long)
-        mask = torch.zeros(b, longest, dtype=torch.long)
-        for i, r in enumerate(requests):  # left padding: every row's next token lands in the last column
-            ids[i, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, longest - len(r.prompt_ids) :] = 1
+        unique, prompt_row = {}, []
+        for r in requests:
+            prompt_row.append(unique.setdefault(tuple(r.prompt_ids), len(unique)))
+        prompts, longest = list(unique), max(len(p) for p in unique)
+        self._prefill_rows = len(prompts)
+        ids = torch.full((len(prompts), longest), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's next token lands in the last column
+            ids[i, longest - len(p) :] = torch.tensor(p)
+            mask[i, longest - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        rows = torch.tensor(prompt_row, device=self.device)
+        cache, logits, mask, pos = out.past_key_values, out.logits[:, -1], mask[rows], pos[rows]
+        if len(prompts) < b:
+            cache.reorder_cache(rows)  # each request's row of its prompt's keys and values
+            logits = logits[rows]
         # each row's uniforms from its own generator, drawn once (a prefix of the same stream whatever the length)
         draws = torch.stack([torch.rand(sp.max_tokens, generator=request_generator(r.seed)) for r in requests])
         done = torch.zeros(b, dtype=torch.bool)
         tokens, logps = [], []
         for step in range(sp.max_tokens):
-            dist = processed_logprobs(out.logits[:, -1], sp.temperature, sp.top_k, sp.top_p)
+            dist = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
             if sp.temperature == 0:
                 nxt = dist.argmax(-1).cpu()
             else:
@@ -161,10 +177,11 @@ class HFEngine:
                 input_ids=nxt[:, None],
                 attention_mask=mask,
                 position_ids=pos,
-                past_key_values=out.past_key_values,
+                past_key_values=cache,
                 use_cache=True,
             )
-        return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+            cache, logits = out.past_key_values, out.logits[:, -1]
+        return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), prompt_row
 
     def generate_sync(self, requests: list, sampling: SamplingParams) -> list:
         with self._gate:
