@@ -232,3 +232,43 @@ def test_a_prompt_asked_n_times_is_prefilled_once_and_samples_as_if_alone(engine
     reorder = Cache.reorder_cache
     monkeypatch.setattr(Cache, "reorder_cache", lambda self, rows: reorder(self, rows.roll(3)))
     assert [o.token_ids for o in run(engine, requests, sp)] != [o.token_ids for o in shared], "negative control"
+
+
+def test_gqa_attention_without_repeated_kv_equals_hfs_sdpa_and_eager(engine, model_dir):
+    """The engine's attention (KV heads grouped by torch's kernel, not copied) gives, on a left-padded batch with
+    a mask and on a cached decode step, the logits of the same model on HF's own sdpa and eager attention (1e-5).
+    Negative control: the KV heads handed over in the wrong order differ by far more."""
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+    from transformers.masking_utils import sdpa_mask
+
+    from mgrpo.rollout.engines.hf import GQA_SDPA, sdpa_without_repeated_kv
+
+    assert engine.model.config._attn_implementation == GQA_SDPA
+    assert engine.model.model.layers[0].self_attn.num_key_value_groups > 1
+
+    def logits(model):
+        ids = torch.tensor([[0, 0, 5, 17, 42, 9], [3, 3, 3, 250, 11, 8]])
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            nxt = model(
+                input_ids=torch.tensor([[7], [9]]),
+                attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+                position_ids=pos[:, -1:] + 1,
+                past_key_values=out.past_key_values,
+            )
+        return torch.cat([out.logits[0, 2:], out.logits[1], nxt.logits[:, -1]])
+
+    ours = logits(engine.model)
+    for impl in ("sdpa", "eager"):
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl).eval()
+        diff = float((ours - logits(ref)).abs().max())
+        print(f"engine attention vs HF {impl}: max logit difference {diff:.1e}")
+        assert diff <= 1e-5, impl
+    AttentionInterface.register(
+        "wrong_kv_order", lambda m, q, k, v, *a, **kw: sdpa_without_repeated_kv(m, q, k.flip(1), v.flip(1), *a, **kw)
+    )
+    AttentionMaskInterface.register("wrong_kv_order", sdpa_mask)
+    wrong = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="wrong_kv_order").eval()
+    assert float((ours - logits(wrong)).abs().max()) > 1e-3, "negative control"

@@ -49,6 +49,43 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return picked.clamp_max(probs.shape[-1] - 1)
 
 
+GQA_SDPA = "mgrpo_sdpa_gqa"
+
+
+def sdpa_without_repeated_kv(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
+):
+    """HF's sdpa attention (transformers/integrations/sdpa_attention.py), less its copy of the KV heads: HF repeats
+    each KV head for its query heads whenever a mask is given (its CUDA kernels would fall back to math with
+    `enable_gqa` and a mask), and the engine's left padding always gives one. torch's CPU kernel groups the heads
+    itself (`enable_gqa`): the same output, without copying the whole cache every decode step."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=query.shape[2] > 1 and attention_mask is None and causal,
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_sdpa(model) -> bool:
+    """On CPU, a model on HF's sdpa attention switches to `sdpa_without_repeated_kv` (with sdpa's masks)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(GQA_SDPA, sdpa_without_repeated_kv)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+    model.set_attn_implementation(GQA_SDPA)
+    return True
+
+
 def request_generator(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(int(seed) % (1 << 63))
@@ -75,6 +112,8 @@ class HFEngine:
         if model is None:  # `model`: an HF model already built (e.g. from a config, for a sync benchmark)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            use_gqa_sdpa(self.model)
         self.eos, self.pad, self.max_num_seqs = eos_token_id, pad_token_id, max_num_seqs
         self.version = 0
         self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
