@@ -269,8 +269,8 @@ def main() -> None:
     ap.add_argument("--mid-policy", default="PASSIVE", choices=POLICIES, help="the ~85M pairs' policy (one)")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
-    if any(p not in POLICIES for p in policies):
-        raise SystemExit(f"--policies: each one of {', '.join(POLICIES)} (got {args.policies})")
+    if not policies or any(p not in POLICIES for p in policies):
+        ap.error(f"--policies: a comma-separated list of {', '.join(POLICIES)} (got {args.policies!r})")
     if not args.skip_trl and not os.path.exists(TRL_PY):
         raise SystemExit("TRL's venv is missing: run `bash scripts/setup.sh --with-peers` (or pass --skip-trl)")
     machine = Machine.measure(args.threads)
