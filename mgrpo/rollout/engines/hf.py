@@ -78,8 +78,10 @@ def use_gqa_sdpa(model) -> bool:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not getattr(
+        model, "_supports_attention_backend", False
+    ):
+        return False  # eager/flash, or a model class that takes no registered attention: HF's own stays
     AttentionInterface.register(GQA_SDPA, sdpa_without_repeated_kv)
     AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
     model.set_attn_implementation(GQA_SDPA)
