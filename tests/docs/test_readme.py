@@ -39,6 +39,7 @@ def test_the_readme_main_job_learns(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="2"),  # the README's machine: 2 cores (the suite runs on 1 thread)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
