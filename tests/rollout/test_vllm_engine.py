@@ -538,7 +538,8 @@ _DRIVER = textwrap.dedent("""
         transport.send(iter(load_file(os.path.join(sys.argv[1], "model.safetensors")).items()), 1)
         print(json.dumps({"pid": engine.pid, "files": [engine.dir] + [b.path for b in transport.buffers]}),
               flush=True)
-        time.sleep(600)
+        for _ in range(3000):  # short sleeps: a SIGINT that lands on another thread is seen within 0.2 s
+            time.sleep(0.2)
 """)
 
 
