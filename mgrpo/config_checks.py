@@ -432,7 +432,7 @@ def async_problems(cfg) -> list:
 
 def partial_problems(cfg) -> list:
     """rollout.partial: in-flight weight updates need generation running during a push, and an engine that can
-    hold its requests through one (vLLM's pause_generation(mode="keep"), colocated)."""
+    hold its requests through one (vLLM's pause_generation(mode="keep"), colocated or behind mgrpo's server)."""
     r = cfg.rollout
     if r.recompute_kv_after_update and not r.partial:
         return ["rollout.recompute_kv_after_update=true needs rollout.partial=true (it recomputes held requests)"]
@@ -443,10 +443,11 @@ def partial_problems(cfg) -> list:
         e.append(
             "rollout.partial=true with rollout.mode=sync: nothing generates during a push; use one_step_off or async"
         )
-    if r.engine != "vllm":
+    if r.engine not in ("vllm", "remote"):
         e.append(
-            f"rollout.partial=true with rollout.engine={r.engine}: in-flight updates are built for the colocated "
-            f"vllm engine; use rollout.engine=vllm or rollout.partial=false"
+            f"rollout.partial=true with rollout.engine={r.engine}: in-flight updates are built for vLLM engines "
+            f"(pause_generation mode keep), colocated or remote; use rollout.engine=vllm or remote, or "
+            f"rollout.partial=false"
         )
     if r.lora_sync == "adapter" and cfg.model.lora.rank:
         e.append("rollout.partial=true with rollout.lora_sync=adapter: not supported; use lora_sync=merged")

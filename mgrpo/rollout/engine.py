@@ -80,6 +80,15 @@ def check_capabilities(engine: Engine, cfg) -> None:
         )
 
 
+def in_flight_mode(rollout_cfg) -> str:
+    """What a push does to the requests in flight of a vLLM engine, colocated or remote: `rollout.partial` holds
+    them and continues them on the new weights (their KV cache recomputed with `rollout.recompute_kv_after_update`);
+    otherwise they finish first."""
+    if not rollout_cfg.partial:
+        return "finish"
+    return "recompute" if rollout_cfg.recompute_kv_after_update else "keep"
+
+
 def truncation_warning(cfg) -> str | None:
     """Why rollout logprobs and the trainer's differ when sampling truncates the vocabulary, or None."""
     r = cfg.rollout

@@ -454,8 +454,8 @@ def push_weights(
     `adapter_only`: the export streams LoRA factors (PEFT names), not merged weights. Returns the sync/ metrics:
     `sync/bytes`, the HF tensor bytes streamed to this rank (None where the transport streams none: per-stage
     senders), and with deltas (rollout.remote.delta) `sync/wire_bytes`, `sync/delta_changed` (fraction of the
-    elements that changed) and `sync/full_fallbacks` (servers that needed the whole version); from a colocated
-    vLLM engine `sync/held_requests` (requests a partial push continued) and `sync/generation_paused_s`."""
+    elements that changed) and `sync/full_fallbacks` (servers that needed the whole version); from vLLM
+    engines `sync/held_requests` (requests a partial push continued) and `sync/generation_paused_s`."""
     export, error, receipt = Export(model_chunks, owners, bucket_bytes, adapter_only), None, None
     try:
         receipt = sync.push(export, version)
@@ -468,7 +468,7 @@ def push_weights(
         out["sync/wire_bytes"] = receipt.get("bytes")
         out["sync/delta_changed"] = delta["changed"] / max(delta["elements"], 1)
         out["sync/full_fallbacks"] = len(delta["full_fallback"])
-    if isinstance(receipt, dict) and "held_requests" in receipt:  # colocated vLLM: what the push paused
+    if isinstance(receipt, dict) and "held_requests" in receipt:  # vLLM engines: what the push paused
         out["sync/held_requests"] = receipt["held_requests"]  # continued on the new weights (rollout.partial)
-        out["sync/generation_paused_s"] = receipt["total_s"]
+        out["sync/generation_paused_s"] = receipt.get("generation_paused_s") or receipt.get("total_s", 0.0)
     return out

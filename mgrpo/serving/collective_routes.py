@@ -5,7 +5,7 @@ token and by the run ownership of `ownership.py`):
                                               before this call), draws a one-time nonce, has every worker join one
                                               group per sender (in the background: they wait for the senders), and
                                               answers {host, port, nonce, workers, backend, timeout_s}
-    POST /mgrpo/collective/{version}/update   {"delta_base": V | null, "keep_base": bool} (deltas, `delta.py`):
+    POST /mgrpo/collective/{version}/update   {"delta_base": V | null, "keep_base": bool, "in_flight"} (deltas, `delta.py`):
                                               pause, receive every sender's buckets through vLLM's weight-transfer
                                               phases (`collective_receiver.py`: each bucket checked as it arrives,
                                               the set for completeness before anything loads), load, reset the
@@ -22,7 +22,7 @@ import datetime
 import secrets
 import time
 
-from mgrpo.serving.weight_routes import UpdateFailed, UpdateState, apply_version
+from mgrpo.serving.weight_routes import IN_FLIGHT, UpdateFailed, UpdateState, apply_version
 from mgrpo.weights.transports.collective_group import version_mismatch, wire_versions
 
 MAX_SENDERS = 4096
@@ -113,11 +113,14 @@ def add_collective_routes(
     @app.post("/mgrpo/collective/{version}/update")
     async def collective_update(version: int, request: Request):
         if int(request.headers.get("content-length") or 0) > 4096:
-            return error(413, 'the update body is {"delta_base": V or null, "keep_base": bool}')
+            return error(413, 'the update body is {"delta_base": V or null, "keep_base": bool, "in_flight": mode}')
         body = (await request.json()) if int(request.headers.get("content-length") or 0) else {}
         delta = {"delta_base": body.get("delta_base"), "keep_base": bool(body.get("keep_base"))}
         if delta["delta_base"] is not None and not isinstance(delta["delta_base"], int):
             return error(400, f"delta_base={delta['delta_base']!r}: a weight version (int) or null")
+        in_flight = body.get("in_flight", "finish")
+        if in_flight not in IN_FLIGHT:
+            return error(400, f"in_flight={in_flight!r}: one of {', '.join(IN_FLIGHT)}")
         async with update.lock:
             why = update.refusal(version) or update.claim(version, request.headers)
             if why:
@@ -125,7 +128,13 @@ def add_collective_routes(
             if state.joined is None:
                 return error(409, "no collective group is open: POST /mgrpo/collective/open first")
             result = await apply_version(
-                gate, update, engine_client, version, update_timeout_s, lambda timeout: receive(version, timeout, delta)
+                gate,
+                update,
+                engine_client,
+                version,
+                update_timeout_s,
+                lambda timeout: receive(version, timeout, delta),
+                in_flight,
             )
             if isinstance(result, dict):
                 update.owner.committed(version)

@@ -19,6 +19,9 @@ import json
 TOKEN_ENV = "MGRPO_SERVER_TOKEN"
 OPEN_PATHS = {("GET", "/health")}
 VERSION_HEADER = "x-mgrpo-weight-version"
+INTERRUPTED_HEADER = "x-mgrpo-interrupted"  # "1": POST /mgrpo/interrupt ran while this request was in flight
+TOKENS_PATH = "/inference/v1/generate"  # vLLM's token-in-token-out route (`--enable-scale-out`): version spans
+MAX_GENERATE_BODY = 64 << 20
 
 
 class Gate:
@@ -40,11 +43,14 @@ class Gate:
             self.served += 1
             self.cond.notify_all()
 
-    async def pause(self) -> None:
+    async def pause(self, wait_for_calls: bool = True) -> None:
+        """New requests wait from now on; the ones in flight finish first unless `wait_for_calls` is false (a
+        partial push: vLLM's own pause holds them, `weight_routes._apply_version`)."""
         async with self.cond:
             await self.cond.wait_for(lambda: not self.updating)
             self.updating = True
-            await self.cond.wait_for(lambda: self.inflight == 0)
+            if wait_for_calls:
+                await self.cond.wait_for(lambda: self.inflight == 0)
 
     async def resume(self) -> None:
         async with self.cond:
@@ -53,17 +59,15 @@ class Gate:
 
 
 class Guard:
-    """Pure ASGI (streaming bodies pass through untouched): the token on every route but GET /health; the gate
-    and the weight-version header on every vLLM route; while the server is poisoned (`update.poisoned`), 503 with
+    """Pure ASGI (streaming bodies pass through untouched, but for the token route's small JSON, salted): the token
+    on every route but GET /health; the gate and the weight-version header on every vLLM route; while the server is poisoned (`update.poisoned`), 503 with
     the reason on GET /health and on every vLLM route."""
 
     def __init__(self, app, token: str, gate: Gate, update=None):
         self.app, self.token, self.gate, self.update = app, ("Bearer " + token).encode(), gate, update
 
     async def unavailable(self, send) -> None:
-        body = json.dumps({"error": f"poisoned: {self.update.poisoned}; restart the server"}).encode()
-        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 503, f"poisoned: {self.update.poisoned}; restart the server")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -90,19 +94,67 @@ class Guard:
         if poisoned:
             return await self.unavailable(send)
         version = await self.gate.enter()
+        interrupts = self.update.interrupts if self.update is not None else 0
+        if (method, path) == ("POST", TOKENS_PATH):
+            try:
+                scope, receive = await salted(scope, receive, version)
+            except ValueError as exc:
+                await self.gate.leave()
+                return await _answer(send, 413, str(exc))
 
         async def stamped(message):
             if message["type"] == "http.response.start":
-                message = dict(
-                    message,
-                    headers=list(message.get("headers", [])) + [(VERSION_HEADER.encode(), str(version).encode())],
-                )
+                stamp = [(VERSION_HEADER.encode(), str(version).encode())]
+                if self.update is not None and self.update.interrupts != interrupts:
+                    stamp.append((INTERRUPTED_HEADER.encode(), b"1"))
+                message = dict(message, headers=list(message.get("headers", [])) + stamp)
             await send(message)
 
         try:
             return await self.app(scope, receive, stamped)
         finally:
             await self.gate.leave()
+
+
+async def salted(scope, receive, version: int) -> tuple:
+    """The request body with `cache_salt` set to the weights it enters under: a partial push cannot reset vLLM's
+    prefix cache while held requests keep their blocks, so a request that starts later must not hit a block
+    computed under other weights (the colocated engine salts the same way, `vllm_child.py`). A body that is not
+    a JSON object passes as it came, for vLLM to answer."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return scope, _replay(message, receive)
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) > MAX_GENERATE_BODY:
+            raise ValueError(f"a generate body over {MAX_GENERATE_BODY} bytes")
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict):
+            body = json.dumps(dict(data, cache_salt=f"mgrpo-weights-{version}")).encode()
+    except ValueError:
+        pass
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-length"]
+    scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
+    return scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive)
+
+
+def _replay(first: dict, receive):
+    """`first`, then whatever the client sends next (a disconnect: vLLM aborts the request on it)."""
+    pending = [first]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def _answer(send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def vllm_args(
@@ -136,6 +188,7 @@ def vllm_args(
         str(max_num_seqs),
         "--disable-uvicorn-access-log",
         "--enforce-eager",
+        "--enable-scale-out",  # token-in-token-out /inference/v1/generate: per-token weight versions (partial)
     ]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
@@ -194,6 +247,7 @@ async def serve(
                 expected, optional, max_staged_bytes, max_staged_buckets
             )
             gate, update = Gate(), UpdateState()
+            await engine_client.engine_core.set_weight_version_async(str(gate.version))  # vLLM's own: "default"
             add_weight_routes(app, engine_client, gate, staging, update, expected, optional, update_timeout_s)
             add_lora_routes(app, engine_client, gate, staging, update, update_timeout_s)  # 409 unless --enable-lora
             if collective:  # --transport collective: {host, backend, join_timeout_s}

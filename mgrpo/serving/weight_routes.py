@@ -2,9 +2,12 @@
 
     PUT  /mgrpo/weights/{version}/{index}   one bucket (`transports/http_buckets.py`: body + digest trailer),
                                             written to a temporary file, checked as it streams, renamed in place
-    POST /mgrpo/weights/{version}/commit    {"count", "digests": [...]}: pause generation, load every staged bucket
+    POST /mgrpo/weights/{version}/commit    {"count", "digests": [...], "in_flight"}: pause generation (requests in
+                                            flight finish, or are held: `apply_version`), load every staged bucket
                                             through the worker (complete, nothing unknown, shapes, dtypes), reset
                                             the prefix cache, stamp the version, resume
+    POST /mgrpo/interrupt                   end every request in flight with its tokens so far (a checkpoint of a
+                                            partial run continues them from their prefixes)
     GET  /mgrpo/version                     version, poisoned, updating, staged, owner: what a client asks first
     GET  /mgrpo/stats, /mgrpo/routes        requests served and in flight; every route of the app (for audits)
 
@@ -34,6 +37,7 @@ class UpdateState:
         self.committing = None  # the version being applied, or None
         self.owner = Ownership(log=lambda msg: print(f"mgrpo-server: {msg}", file=sys.stderr, flush=True))
         self.on_new_owner = []  # what belongs to the previous owner and must go: staged buckets, open groups
+        self.interrupts = 0  # POST /mgrpo/interrupt calls begun: a response aborted under one is "interrupted"
 
     def refusal(self, version: int | None) -> str | None:
         if self.poisoned:
@@ -66,30 +70,49 @@ class UpdateFailed(Exception):
         self.poisoned = poisoned
 
 
-async def apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load):
+IN_FLIGHT = ("finish", "keep", "recompute")
+
+
+async def apply_version(
+    gate, update: UpdateState, engine_client, version: int, timeout_s: float, load, in_flight: str = "finish"
+):
     """`update.committing` names `version` while it applies (a PUT of it is refused, GET /mgrpo/version shows it)."""
     update.committing = version
     try:
-        return await _apply_version(gate, update, engine_client, version, timeout_s, load)
+        return await _apply_version(gate, update, engine_client, version, timeout_s, load, in_flight)
     finally:
         update.committing = None
 
 
-async def _apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load):
-    """Pause generation (requests in flight finish), `await load(seconds left)` -> receipt, reset the prefix cache,
-    stamp the version, resume; all within `timeout_s`. Past the deadline, after a half-done load, or when vLLM
-    keeps blocks and refuses to reset its prefix cache, the server is poisoned. Returns the receipt with the time
-    split, or an error response."""
+async def _apply_version(gate, update: UpdateState, engine_client, version: int, timeout_s: float, load, in_flight):
+    """Pause generation, `await load(seconds left)` -> receipt, reset the prefix cache, stamp the version (the
+    header, and vLLM's engine-core label every token carries), resume; all within `timeout_s`. Past the deadline,
+    after a half-done load, or when vLLM keeps blocks and refuses to reset its prefix cache, the server is
+    poisoned. Returns the receipt with the time split, or an error response.
+
+    `in_flight` (rollout.partial, issue 56; the colocated engine's `VLLMServer.update` does the same): "finish"
+    lets the requests in flight finish on the old weights first; "keep" freezes them inside vLLM
+    (`pause_generation(mode="keep", clear_cache=False)`) and continues them on the new weights over the KV their
+    prefix got under the old ones; "recompute" preempts them and drops every cached block, so their prefixes are
+    prefilled again under the new weights. Held requests keep blocks, so the prefix cache is not reset: requests
+    that start later are salted with their version instead (`server.salted`)."""
     from fastapi.responses import JSONResponse
 
     t0 = time.perf_counter()
     deadline = t0 + timeout_s
     left = lambda: max(deadline - time.perf_counter(), 0.001)  # noqa: E731
+    held, requests = in_flight != "finish", gate.inflight
     try:
-        await asyncio.wait_for(gate.pause(), timeout=left())
+        await asyncio.wait_for(gate.pause(wait_for_calls=not held), timeout=left())
+        if held:
+            await asyncio.wait_for(
+                engine_client.pause_generation(mode="keep", clear_cache=in_flight == "recompute"), timeout=left()
+            )
     except asyncio.TimeoutError:
-        update.poisoned = f"requests in flight did not finish within --update-timeout-s={timeout_s:g}"
-        await gate.resume()
+        update.poisoned = (
+            f"requests in flight did not {'pause' if held else 'finish'} within --update-timeout-s={timeout_s:g}"
+        )
+        await _resume(gate, engine_client, held, update)
         return JSONResponse({"error": update.poisoned}, status_code=503)
     try:
         t1 = time.perf_counter()
@@ -106,14 +129,28 @@ async def _apply_version(gate, update: UpdateState, engine_client, version: int,
                 update.poisoned = str(exc)
             return JSONResponse({"error": str(exc)}, status_code=503 if exc.poisoned else 422)
         t2 = time.perf_counter()
-        if not await engine_client.reset_prefix_cache():  # blocks still held: old KV could be reused
+        if not held and not await engine_client.reset_prefix_cache():  # blocks still held: old KV could be reused
             update.poisoned = f"vLLM refused to reset its prefix cache after loading version {version}"
             return JSONResponse({"error": update.poisoned}, status_code=503)
+        await engine_client.engine_core.set_weight_version_async(str(version))
         gate.version = version
     finally:
-        await gate.resume()
+        await _resume(gate, engine_client, held, update)
     t3 = time.perf_counter()
-    return dict(receipt, version=version, pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2, total_s=t3 - t0)
+    times = dict(pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2, total_s=t3 - t0)
+    return dict(receipt, version=version, **times, held_requests=requests if held else 0)
+
+
+async def _resume(gate, engine_client, held: bool, update: UpdateState) -> None:
+    """Generation goes on; requests held through a load that did not complete end as aborted (they must not
+    sample from a mix of versions)."""
+    try:
+        if held:
+            if update.poisoned:
+                await engine_client.pause_generation(mode="abort", clear_cache=False)
+            await engine_client.resume_generation()
+    finally:
+        await gate.resume()
 
 
 def add_weight_routes(
@@ -203,6 +240,9 @@ def add_weight_routes(
             return error(413, f"the commit body must come with Content-Length, at most {MAX_COMMIT_BODY} bytes")
         body = await request.json()
         count, digests = int(body.get("count", -1)), list(body.get("digests") or [])
+        in_flight = body.get("in_flight", "finish")
+        if in_flight not in IN_FLIGHT:
+            return error(400, f"in_flight={in_flight!r}: one of {', '.join(IN_FLIGHT)}")
         async with update.lock:
             refused = not_owner(version, request)
             if refused:
@@ -223,7 +263,7 @@ def add_weight_routes(
             except (OSError, ValueError) as exc:  # NeedFull and BucketError are ValueErrors
                 staging.reset(None)
                 return JSONResponse({"error": str(exc), "need_full": True}, status_code=409)
-            result = await _apply(version, paths)
+            result = await _apply(version, paths, in_flight)
             if isinstance(result, dict):  # applied (an error is a response)
                 update.owner.committed(version)
                 if body.get("keep_base"):
@@ -236,7 +276,7 @@ def add_weight_routes(
                 store.forget()  # the base holds the version that did not load
             return result
 
-    async def _apply(version: int, paths: list):
+    async def _apply(version: int, paths: list, in_flight: str):
         async def load(timeout: float):
             results = await asyncio.wait_for(
                 engine_client.collective_rpc(
@@ -249,7 +289,27 @@ def add_weight_routes(
                 raise UpdateFailed(bad[0]["error"], poisoned=any(r.get("poisoned") for r in bad))
             return results[0]["receipt"]
 
-        return await apply_version(gate, update, engine_client, version, update_timeout_s, load)
+        return await apply_version(gate, update, engine_client, version, update_timeout_s, load, in_flight)
+
+    @app.post("/mgrpo/interrupt")
+    async def interrupt(request: Request):
+        """A checkpoint of a partial run (issue 56; the colocated engine's `VLLMServer.interrupt`): every request in
+        flight ends now with the tokens it has (vLLM's `pause_generation(mode="abort")`); their responses say so
+        (`server.INTERRUPTED_HEADER`) and the trainer continues each from its prefix. Generation resumes at once."""
+        async with update.lock:
+            why = update.refusal(None) or update.claim(None, request.headers)
+            if why:
+                return error(409, why)
+            t0, requests = time.perf_counter(), gate.inflight
+            await gate.pause(wait_for_calls=False)
+            update.interrupts += 1
+            try:
+                await asyncio.wait_for(
+                    engine_client.pause_generation(mode="abort", clear_cache=False), update_timeout_s
+                )
+            finally:
+                await _resume(gate, engine_client, True, update)
+            return {"interrupted_requests": requests, "total_s": time.perf_counter() - t0}
 
     @app.get("/mgrpo/weights_digest")
     async def weights_digest():

@@ -26,6 +26,17 @@ class WeightSyncError(RuntimeError):
     """An engine rejected or failed a weight update; the message says whether the old version still serves."""
 
 
+def held_in_flight(receipts: dict) -> dict:
+    """What a partial push (rollout.partial) did to generation on the servers: the requests it held and continued
+    on the new weights, and the longest pause; {} when no server held any (their requests finished first)."""
+    if not any("held_requests" in r for r in receipts.values()):
+        return {}
+    return {
+        "held_requests": sum(r.get("held_requests", 0) for r in receipts.values()),
+        "generation_paused_s": max(r.get("total_s", 0.0) for r in receipts.values()),
+    }
+
+
 class Export:
     """One weight version as this rank's share of the export: `tensors()` streams (HF name, tensor) on the ranks
     `owners` names (a collective: every rank must drive it, or none), `model_chunks` for per-stage senders.

@@ -2,11 +2,13 @@
 forward as the reference an engine's logprobs must equal."""
 
 import asyncio
+import threading
+import time
 
 import torch
 
 from mgrpo.rollout.engine import request_seed
-from mgrpo.rollout.types import GenerationRequest
+from mgrpo.rollout.types import GenerationRequest, SamplingParams
 
 # mixed prompt lengths: a batch is left-padded to the longest (HF) or scheduled unevenly (vLLM)
 PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 3, 3, 250, 11], [8, 9], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
@@ -72,3 +74,62 @@ def diffs_after_push(engine, version, model_dir, temperature):
         assert all(o.weight_versions == [version] * len(o.token_ids) and o.token_ids for o in out)
         worst[label] = worst_diff(out, reqs(seed=3), model_dir, temp)
     return worst
+
+
+def partial_push(engine, push, dirs, in_flight: str, temperature: float = 0.7, max_tokens: int = 96) -> tuple:
+    """A push of `other` (`push(engine, model_dir)` -> (receipt, version)) while 16 requests of `max_tokens` generate
+    on `new`, with the engine's `in_flight` mode (rollout.partial). Returns (requests, responses, old version, new
+    version, the receipt)."""
+    _, old = push(engine, dirs["new"])
+    run(engine, reqs(seed=8, n=1), SamplingParams(temperature=temperature, max_tokens=4))  # the first call after
+    many = reqs(seed=8, n=4)  # a push is slow (vLLM warms up): the boundary must fall mid-response
+    result = {}
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, many, sp)))
+    engine.in_flight = in_flight
+    try:
+        worker.start()
+        deadline = time.time() + 60
+        while engine.stats()["requests_inflight"] < len(many) and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.15)  # some tokens on the old weights
+        receipt, new = push(engine, dirs["other"])
+        worker.join(timeout=120)
+    finally:
+        engine.in_flight = "finish"
+    return many, result["out"], old, new, receipt
+
+
+def per_version_diffs(requests, outs, dirs, old, new, temperature: float) -> tuple:
+    """(largest |engine - trainer| over tokens of the old version, over tokens of the new one, how many responses
+    span both): each token against the trainer's forward with the weights of the version that sampled it."""
+    worst_old, worst_new, spanning = 0.0, 0.0, 0
+    for r, o in zip(requests, outs):
+        versions = torch.tensor(o.weight_versions)
+        b = int((versions == old).sum())
+        assert o.weight_versions == [old] * b + [new] * (len(o.token_ids) - b), "versions change once, in order"
+        spanning += 0 < b < len(o.token_ids)
+        got = torch.tensor(o.logprobs)
+        for model, part, lo, hi in (("new", "old", 0, b), ("other", "new", b, len(o.token_ids))):
+            if hi > lo:
+                ref = trainer_logprobs(dirs[model], r.prompt_ids, o.token_ids, temperature)[lo:hi]
+                d = float((ref - got[lo:hi]).abs().max())
+                worst_old, worst_new = (
+                    (max(worst_old, d), worst_new) if part == "old" else (worst_old, max(worst_new, d))
+                )
+    return worst_old, worst_new, spanning
+
+
+def interrupted(engine, requests, sp, after_s: float = 0.3) -> tuple:
+    """`requests` generating on the engine, interrupted `after_s` after all of them are in: (responses, the
+    receipt)."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, requests, sp)))
+    worker.start()
+    deadline = time.time() + 60
+    while engine.stats()["requests_inflight"] < len(requests) and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(after_s)  # some tokens, far from the budget
+    receipt = engine.interrupt()
+    worker.join(timeout=120)
+    return result["out"], receipt

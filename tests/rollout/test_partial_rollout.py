@@ -70,6 +70,10 @@ def test_importance_weights_take_each_tokens_own_behaviour_logprob():
             ["--rollout.partial", "true", "--rollout.mode", "async", "--rollout.engine", "hf"],
             "rollout.partial=true with rollout.engine=hf",
         ),
+        (
+            ["--rollout.partial", "true", "--rollout.mode", "async", "--rollout.engine", "sglang"],
+            "rollout.partial=true with rollout.engine=sglang",
+        ),
         (["--rollout.recompute_kv_after_update", "true"], "needs rollout.partial=true"),
     ],
 )

@@ -21,7 +21,17 @@ import threading
 import time
 
 import pytest
-from engine_helpers import diffs_after_push, reqs, run, trainer_actor
+import torch
+from engine_helpers import (
+    diffs_after_push,
+    interrupted,
+    partial_push,
+    per_version_diffs,
+    reqs,
+    run,
+    trainer_actor,
+    worst_diff,
+)
 from servers import TOKEN, Server, http
 
 from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError
@@ -87,6 +97,77 @@ def test_after_a_push_server_equals_trainer(single_rank, server, dirs):
     sp = SamplingParams(temperature=1.0, max_tokens=12)
     a, b = run(engine, reqs(seed=1), sp), run(engine, reqs(seed=1)[::-1], sp)[::-1]
     assert [x.token_ids for x in a] == [x.token_ids for x in b], "a request's seed alone decides its sample"
+
+
+def test_a_partial_push_continues_requests_in_flight_on_the_server(single_rank, server, dirs):
+    """rollout.partial on a remote server (issue 56; longer responses than the colocated test's: the buckets stream
+    while generation runs, and only the commit pauses it): the commit holds the requests in flight inside vLLM
+    (`pause_generation` mode "keep", or "recompute") and continues them on the new weights; vLLM's
+    token-in-token-out route returns each token's version span. Every token equals the trainer's forward under its
+    own version (<= 1e-4) with the KV recomputed; negative control ("keep"): after the boundary the tokens attend
+    over KV of the old weights and differ by far more. A request after the push reuses no block of the old weights
+    (the server salts each request's prefix cache with its version)."""
+    engine = connect(server, dirs)
+    requests, outs, old, new, receipt = partial_push(engine, push, dirs, "recompute", T, max_tokens=256)
+    exact_old, exact_new, spanning = per_version_diffs(requests, outs, dirs, old, new, T)
+    requests, outs, old_k, new_k, receipt_k = partial_push(engine, push, dirs, "keep", T, max_tokens=256)
+    kept_old, kept_new, spanning_k = per_version_diffs(requests, outs, dirs, old_k, new_k, T)
+    held = [receipt["held_requests"], receipt_k["held_requests"]]
+    print(
+        f"remote partial push over {held} held requests ({spanning} / {spanning_k} responses span two versions): "
+        f"max |server - trainer of the token's version| recompute old {exact_old:.1e} new {exact_new:.1e}; keep "
+        f"old {kept_old:.1e} new {kept_new:.2f}"
+    )
+    assert spanning >= 4 and spanning_k >= 4 and held == [16, 16]
+    assert exact_old <= 1e-4 and exact_new <= 1e-4 and kept_old <= 1e-4
+    assert kept_new > 1e-2, "negative control: without the recompute the old KV must show after the boundary"
+    salted, unsalted = _salted_after_a_kept_push(engine, dirs)
+    print(f"200-token prompts after a push that kept the cache: {salted:.1e} salted, {unsalted:.2f} unsalted")
+    assert salted <= 1e-4, "a request that starts after the push must not reuse a block of the old weights"
+    assert unsalted > 1e-2, "negative control: without the salt (the /v1 route) the old blocks are reused"
+
+
+def test_an_interrupted_response_keeps_its_tokens_and_the_server_serves_on(single_rank, server, dirs):
+    """A checkpoint of a partial run interrupts the requests in flight on a remote server (POST /mgrpo/interrupt,
+    vLLM's pause mode "abort"): each response ends "interrupted" with the tokens it had, each token's logprob the
+    trainer's (<= 1e-4: the prefix the run continues from is sound), and the server serves on. The continuation
+    itself is a plain generate call (`RolloutManager.continue_local`, tested on the colocated engine)."""
+    engine = connect(server, dirs, in_flight="keep")
+    _, version = push(engine, dirs["new"])
+    requests, budget = reqs(seed=5, n=1), 400
+    run(engine, requests, SamplingParams(temperature=T, max_tokens=8))  # the first call after a push is slow
+    outs, receipt = interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
+    lengths = [(o.finish_reason, len(o.token_ids)) for o in outs]
+    print(f"interrupted on the server: {receipt}; (finish, tokens) {lengths}")
+    assert receipt["interrupted_requests"] == len(requests)
+    assert all(o.finish_reason == "interrupted" and 0 < len(o.token_ids) < budget for o in outs), lengths
+    assert all(o.weight_versions == [version] * len(o.token_ids) for o in outs)
+    assert worst_diff(outs, requests, dirs["new"], T) <= 1e-4
+    after = run(engine, requests, SamplingParams(temperature=T, max_tokens=8))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in after), "it serves on"
+
+
+def _salted_after_a_kept_push(engine, dirs) -> tuple:
+    """A "keep" push cannot reset the prefix cache (held requests own blocks): prompts of 200 tokens (more than
+    one 128-token block) cached under `new` are asked again after `other` is pushed. Returns the largest logprob
+    error against `other` on the token route (the server salts it with the version) and on /v1/completions
+    (unsalted)."""
+    g = torch.Generator().manual_seed(0)
+    longs = reqs(seed=9, n=1, prompts=[torch.randint(3, 290, (200,), generator=g).tolist() for _ in range(3)])
+    sp, routes = SamplingParams(temperature=T, max_tokens=8), ("keep", "finish")  # token route, /v1/completions
+    engine.in_flight = "keep"
+    push(engine, dirs["new"])
+    for route in routes:
+        engine.in_flight = route
+        run(engine, longs, sp)  # both caches hold KV of `new`
+    engine.in_flight = "keep"
+    push(engine, dirs["other"])  # nothing in flight; the cache stays
+    worst = []
+    for route in routes:
+        engine.in_flight = route
+        worst.append(worst_diff(run(engine, longs, sp), longs, dirs["other"], T))
+    push(engine, dirs["new"])  # a plain push (reset): the other tests find a clean cache
+    return tuple(worst)
 
 
 def test_every_route_but_health_wants_the_token(server):

@@ -18,7 +18,17 @@ import time
 
 import pytest
 import torch
-from engine_helpers import diffs_after_push, reqs, run, trainer_actor, trainer_logprobs, worst_diff
+from engine_helpers import (
+    diffs_after_push,
+    interrupted,
+    partial_push,
+    per_version_diffs,
+    reqs,
+    run,
+    trainer_actor,
+    trainer_logprobs,
+    worst_diff,
+)
 from procs import group_alive
 
 from mgrpo.rollout.engines.vllm import VLLMEngine
@@ -186,50 +196,6 @@ def test_an_update_waits_for_generation_in_flight(single_rank, engine, dirs):
     assert all(o.weight_versions == [new] * len(o.token_ids) for o in after)
 
 
-def _partial_push(engine, dirs, in_flight: str) -> tuple:
-    """A push of `other` while 16 requests of 96 tokens generate on `new`, with the engine's `in_flight` mode.
-    Returns (requests, responses, old version, new version, the receipt)."""
-    import threading
-
-    _, old = push(engine, dirs["new"])
-    many = reqs(seed=8, n=4)
-    result = {}
-    sp = SamplingParams(temperature=T, max_tokens=96, ignore_eos=True)
-    worker = threading.Thread(target=lambda: result.update(out=run(engine, many, sp)))
-    engine.in_flight = in_flight
-    try:
-        worker.start()
-        deadline = time.time() + 60
-        while engine.stats()["requests_inflight"] < len(many) and time.time() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.15)  # some tokens on the old weights
-        receipt, new = push(engine, dirs["other"])
-        worker.join(timeout=120)
-    finally:
-        engine.in_flight = "finish"
-    return many, result["out"], old, new, receipt
-
-
-def _per_version_diffs(requests, outs, dirs, old, new) -> tuple:
-    """(largest |engine - trainer| over tokens of the old version, over tokens of the new one, how many responses
-    span both): each token against the trainer's forward with the weights of the version that sampled it."""
-    worst_old, worst_new, spanning = 0.0, 0.0, 0
-    for r, o in zip(requests, outs):
-        versions = torch.tensor(o.weight_versions)
-        b = int((versions == old).sum())
-        assert o.weight_versions == [old] * b + [new] * (len(o.token_ids) - b), "versions change once, in order"
-        spanning += 0 < b < len(o.token_ids)
-        got = torch.tensor(o.logprobs)
-        for model, part, lo, hi in (("new", "old", 0, b), ("other", "new", b, len(o.token_ids))):
-            if hi > lo:
-                ref = trainer_logprobs(dirs[model], r.prompt_ids, o.token_ids, T)[lo:hi]
-                d = float((ref - got[lo:hi]).abs().max())
-                worst_old, worst_new = (
-                    (max(worst_old, d), worst_new) if part == "old" else (worst_old, max(worst_new, d))
-                )
-    return worst_old, worst_new, spanning
-
-
 def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single_rank, engine, dirs):
     """rollout.partial (issue 56): a push in the middle of a generate call holds its requests inside vLLM
     (pause_generation mode "keep") and continues them on the new weights. Every token carries the version that
@@ -237,10 +203,10 @@ def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single
     ("recompute"), each token equals the trainer's forward under its own version (<= 1e-4), before and after
     the boundary. Negative control ("keep", the default): the tokens after the boundary attend over KV computed
     under the old weights, and differ from the new weights' forward by far more."""
-    requests, outs, old, new, receipt = _partial_push(engine, dirs, "recompute")
-    exact_old, exact_new, spanning = _per_version_diffs(requests, outs, dirs, old, new)
-    requests, outs, old_k, new_k, receipt_k = _partial_push(engine, dirs, "keep")
-    kept_old, kept_new, spanning_k = _per_version_diffs(requests, outs, dirs, old_k, new_k)
+    requests, outs, old, new, receipt = partial_push(engine, push, dirs, "recompute")
+    exact_old, exact_new, spanning = per_version_diffs(requests, outs, dirs, old, new, T)
+    requests, outs, old_k, new_k, receipt_k = partial_push(engine, push, dirs, "keep")
+    kept_old, kept_new, spanning_k = per_version_diffs(requests, outs, dirs, old_k, new_k, T)
     print(
         f"partial push over {receipt['held_requests']} / {receipt_k['held_requests']} held requests "
         f"({spanning} / {spanning_k} responses span two versions; paused {receipt['total_s']:.3f} / "
@@ -252,23 +218,6 @@ def test_a_partial_update_continues_requests_in_flight_on_the_new_weights(single
     assert kept_new > 1e-2, "negative control: without the recompute the old KV must show after the boundary"
     after = run(engine, reqs(seed=8, n=1), SamplingParams(temperature=T, max_tokens=8))
     assert worst_diff(after, reqs(seed=8, n=1), dirs["other"], T) <= 1e-4, "a new request: no old-weight blocks"
-
-
-def _interrupted(engine, requests, sp, after_s: float = 0.3) -> tuple:
-    """`requests` generating on the engine, interrupted `after_s` after all of them are in: (responses, the
-    receipt)."""
-    import threading
-
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(out=run(engine, requests, sp)))
-    worker.start()
-    deadline = time.time() + 60
-    while engine.stats()["requests_inflight"] < len(requests) and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(after_s)  # some tokens, far from the budget
-    receipt = engine.interrupt()
-    worker.join(timeout=120)
-    return result["out"], receipt
 
 
 def test_an_interrupted_response_is_continued_from_its_prefix(single_rank, engine, dirs):
@@ -289,7 +238,7 @@ def test_an_interrupted_response_is_continued_from_its_prefix(single_rank, engin
     _, version = push(engine, dirs["new"])
     requests, budget = reqs(seed=5, n=1), 400
     run(engine, requests, SamplingParams(temperature=T, max_tokens=8))  # the first call after a push is slow
-    outs, receipt = _interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
+    outs, receipt = interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
     assert receipt["interrupted_requests"] == len(requests)
     got_lengths = [(o.finish_reason, len(o.token_ids)) for o in outs]
     assert all(o.finish_reason == "interrupted" and 0 < len(o.token_ids) < budget for o in outs), got_lengths

@@ -23,10 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 from mgrpo.netutil import ServerCallError, http_json, tls_context
-from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.engine import Capabilities, in_flight_mode, register_engine
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 VERSION_HEADER = "x-mgrpo-weight-version"
+TOKENS_PATH = "/inference/v1/generate"  # vLLM's token-in-token-out route (the server runs --enable-scale-out)
+INTERRUPTED_HEADER = "x-mgrpo-interrupted"  # the server interrupted the response (a checkpoint of a partial run)
 
 
 class RemoteEngineError(RuntimeError):
@@ -86,6 +88,7 @@ class RemoteEngine:
         take_over: bool = False,
         delta: bool = False,
         full_every: int = 0,
+        in_flight: str = "finish",
     ):
         if not servers:
             raise RemoteEngineError("rollout.servers is empty; give the URLs of the rollout servers")
@@ -97,6 +100,7 @@ class RemoteEngine:
         self.ssl = tls_context(ca_file)  # https: checked against ca_file (else the system's CAs)
         self.checksum = checksum  # the per-bucket digest on the wire (rollout.remote.checksum)
         self.delta, self.full_every = delta, full_every  # rollout.remote.delta / full_every (HTTP weight sync)
+        self.in_flight = in_flight  # what a push does to requests in flight (rollout.partial: engine.in_flight_mode)
         self.max_consecutive_failures = max_consecutive_failures
         self.version = 0  # the version every serving replica must hold
         self.adapter = None  # LoRA adapter-only sync: the adapter name generation asks for (`model`)
@@ -264,28 +268,45 @@ class RemoteEngine:
             )
         )
 
-    # -- the dialect: vLLM's /v1/completions behind mgrpo's server (engines/sglang.py has SGLang's /generate) ------
-    generate_path = "/v1/completions"
+    # -- the dialect: vLLM behind mgrpo's server (engines/sglang.py has SGLang's /generate) -----------------------
+    # /v1/completions, one version per response (the header); with rollout.partial a response may span versions,
+    # so it goes to vLLM's token-in-token-out route, whose choices carry `weight_versions` spans.
+    @property
+    def generate_path(self) -> str:
+        return "/v1/completions" if self.in_flight == "finish" else TOKENS_PATH
 
     def request_body(self, req, sampling: SamplingParams) -> dict:
-        return {
-            "prompt": list(req.prompt_ids),
+        params = {
             "max_tokens": req.max_tokens or sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k or -1,
             "seed": int(req.seed),
             "logprobs": 0,
-            "return_token_ids": True,
             "ignore_eos": sampling.ignore_eos,
             "skip_special_tokens": False,
             "n": 1,
             "stop_token_ids": [self.eos] if self.eos is not None and not sampling.ignore_eos else [],
-            **({"model": self.adapter} if self.adapter else {}),
         }
+        model = {"model": self.adapter} if self.adapter else {}
+        if self.in_flight != "finish":  # the server salts it with the version it enters under (server.salted)
+            return {"token_ids": list(req.prompt_ids), "sampling_params": dict(params, detokenize=False), **model}
+        return {"prompt": list(req.prompt_ids), "return_token_ids": True, **params, **model}
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
-        return _response(data, int(headers.get(VERSION_HEADER, -1)), server)
+        version = int(headers.get(VERSION_HEADER, -1))
+        if self.in_flight == "finish":
+            return _response(data, version, server)
+        choice = data["choices"][0]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = [float(x["logprob"]) for x in ((choice.get("logprobs") or {}).get("content") or [])]
+        if len(lps) != len(ids):
+            raise RemoteEngineError(f"rollout server {server}: {len(ids)} tokens but {len(lps)} logprobs")
+        reason = choice.get("finish_reason") if choice.get("finish_reason") in ("stop", "length") else "abort"
+        if reason == "abort" and headers.get(INTERRUPTED_HEADER) == "1":
+            reason = "interrupted"  # its tokens so far are kept; the manager continues it from them
+        spans = {"weight_versions": choice.get("weight_versions"), "weight_version": version}
+        return GenerationResponse(ids, lps, reason, token_versions(spans, len(ids)), served_by=server)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
@@ -304,6 +325,12 @@ class RemoteEngine:
                 **kwargs,
             ),
         )
+
+    def interrupt(self) -> dict:
+        """End the requests in flight on every serving replica with their tokens so far ("interrupted"): a checkpoint
+        of a partial run stores them and continues each from its prefix (`RolloutProducer.settle`)."""
+        done = [self.post(r, "/mgrpo/interrupt", {}, timeout=self.update_timeout_s) for r in self.serving()]
+        return {"interrupted_requests": sum(x["interrupted_requests"] for x in done)}
 
     def load_adapter(self, folder: str, version: int) -> dict:
         """LoRA adapter-only sync: PUT the PEFT folder's two files to every replica that can take it (serving/
@@ -378,6 +405,7 @@ class RemoteEngine:
 
     def stats(self, reset: bool = False) -> dict:
         return {
+            "requests_inflight": sum(r.inflight for r in self.replicas),
             "requests_served": sum(r.served for r in self.replicas),
             "servers": {r.name: r.served for r in self.replicas},
         }
@@ -409,6 +437,27 @@ def _response(data: dict, version: int, server: str) -> GenerationResponse:
         raise RemoteEngineError(f"rollout server {server}: {len(ids)} tokens but {len(lps)} logprobs")
     reason = choice.get("finish_reason") if choice.get("finish_reason") in ("stop", "length") else "abort"
     return GenerationResponse(ids, lps, reason, [version] * len(ids), served_by=server)
+
+
+def token_versions(meta: dict, n: int) -> list:
+    """The weight version of each of n output tokens: from the engine's spans `{version, start, end}` (vLLM's
+    `WeightVersionSpan`s, SGLang's `meta_info.weight_versions`; a request that straddles an update carries several),
+    else its one `weight_version` (an int as mgrpo labels it; -1 for an engine's own start label, "default")."""
+
+    def as_int(v):
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return -1
+
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [as_int(meta.get("weight_version"))] * n
+    out = [-1] * n
+    for span in spans:
+        for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+            out[i] = as_int(span["version"])
+    return out
 
 
 def run_identity(cfg) -> str:
@@ -450,6 +499,7 @@ def engine_from_config(cls, cfg, tokenizer):
         take_over=r.take_over,
         delta=r.delta,
         full_every=r.full_every,
+        in_flight=in_flight_mode(cfg.rollout),
     )
     engine.log(
         f"rollout servers ({cls.name}): {', '.join(x.name for x in engine.replicas)} (weight version "

@@ -20,7 +20,7 @@ and `/update_weights_from_distributed` with flattened buckets): SGLang has no ro
 from __future__ import annotations
 
 from mgrpo.rollout.engine import register_engine
-from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError, engine_from_config
+from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError, engine_from_config, token_versions
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 TOP_K_ALL = -1  # SGLang's "no top-k"
@@ -87,26 +87,6 @@ def parse_generate(data: dict, server: str = "") -> GenerationResponse:
     return GenerationResponse(
         ids, logprobs, FINISH.get(kind, "abort"), token_versions(meta, len(ids)), served_by=server
     )
-
-
-def token_versions(meta: dict, n: int) -> list:
-    """The weight version of each of n output tokens: from SGLang's spans, else its one weight_version (an int as
-    mgrpo sets it with /update_weight_version; -1 when the server holds its start weights, "default")."""
-
-    def as_int(v):
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            return -1
-
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [as_int(meta.get("weight_version"))] * n
-    out = [-1] * n
-    for span in spans:
-        for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
-            out[i] = as_int(span["version"])
-    return out
 
 
 @register_engine("sglang")

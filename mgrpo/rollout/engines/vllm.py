@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from mgrpo.rollout.engine import Capabilities, register_engine
+from mgrpo.rollout.engine import Capabilities, in_flight_mode, register_engine
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 from mgrpo.weights import local_rpc
 from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
@@ -312,14 +312,6 @@ class VLLMEngine:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
-
-
-def in_flight_mode(rollout_cfg) -> str:
-    """What a push does to the requests in flight: `rollout.partial` holds them and continues them on the new
-    weights (their KV cache recomputed with `rollout.recompute_kv_after_update`); otherwise they finish first."""
-    if not rollout_cfg.partial:
-        return "finish"
-    return "recompute" if rollout_cfg.recompute_kv_after_update else "keep"
 
 
 @register_engine("vllm")

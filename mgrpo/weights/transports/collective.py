@@ -33,7 +33,7 @@ from megatron.core import parallel_state as mpu
 from mgrpo.weights.delta import NEED_FULL, DeltaSender
 from mgrpo.weights.export import stage_senders, stage_tensors
 from mgrpo.weights.stream_pack import StreamPacker, pack_stream
-from mgrpo.weights.sync import PerStageSync, WeightSyncError
+from mgrpo.weights.sync import PerStageSync, WeightSyncError, held_in_flight
 from mgrpo.weights.transports.collective_group import (
     join_group,
     send_bucket,
@@ -147,6 +147,7 @@ class CollectiveTransport(PerStageSync):
             reset_s=max(x.get("reset_s", 0.0) for x in receipts.values()),
             total_s=time.perf_counter() - t0,
             tensors=first.get("tensors"),
+            **held_in_flight(receipts),
         )
         if self.keep_base:
             stages = [rep.get("delta", {}) for rep in reports]
@@ -170,7 +171,11 @@ class CollectiveTransport(PerStageSync):
         if self.engine:
             live = [r for r in targets if r.name in plan and r.name not in failed]
             pool = ThreadPoolExecutor(max_workers=max(len(live), 1))
-            body = {"delta_base": base, "keep_base": self.keep_base}
+            body = {
+                "delta_base": base,
+                "keep_base": self.keep_base,
+                "in_flight": getattr(self.engine, "in_flight", "finish"),
+            }
             requests = {
                 r.name: pool.submit(
                     self.engine.post, r, f"/mgrpo/collective/{version}/update", body, self.timeout_s + 30

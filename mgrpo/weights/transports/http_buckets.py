@@ -33,7 +33,7 @@ from mgrpo.weights.bucket import (
     cut_buckets,
     parse_bucket_header,
 )
-from mgrpo.weights.sync import StreamSync, WeightSyncError
+from mgrpo.weights.sync import StreamSync, WeightSyncError, held_in_flight
 
 
 class NeedFullError(WeightSyncError):
@@ -235,6 +235,7 @@ class HttpBucketTransport(StreamSync):
             load_s=max(r.get("load_s", 0.0) for r in receipts.values()),
             reset_s=max(r.get("reset_s", 0.0) for r in receipts.values()),
             tensors=first.get("tensors"),
+            **held_in_flight(receipts),
         )
         if d is not None:
             out["delta"] = dict(
@@ -320,6 +321,7 @@ class HttpBucketTransport(StreamSync):
 
     def _commit(self, replica, version: int, digests: list) -> dict:
         body = {"count": len(digests), "digests": digests, "keep_base": self.delta is not None}
+        body["in_flight"] = getattr(self.engine, "in_flight", "finish")  # rollout.partial: held, not finished
         try:
             return self._request(replica, "POST", f"/mgrpo/weights/{version}/commit", body=body)
         except ConnectionError as first:  # did it apply? ask before resending anything
