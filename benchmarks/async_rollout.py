@@ -11,11 +11,11 @@ run's own R and T are printed beside them. A colocated engine on the trainer's o
 overlap (both halves want the same cores).
 
     python benchmarks/async_rollout.py [--model 100m|tiny] [--steps 6] [--warmup 2]
-    python benchmarks/async_rollout.py --partial [--model tiny] [--tail 8]   # long tail: + async with partial rollout
+    python benchmarks/async_rollout.py --partial [--model tiny] [--tail 8] [--engine remote|vllm]   # + partial
 
-`--partial` (benchmarks/async_partial.py) runs the colocated vLLM engine on core 1 under a long-tailed batch and
-adds async + `rollout.partial`; its line: result: ... partial_vs_max=... partial_engine_idle_frac=...
-one_step_off_vs_max=...
+`--partial` (benchmarks/async_partial.py) runs a long-tailed batch on the same two-machine layout (`--engine vllm`:
+the colocated vLLM engine on core 1 instead of a server) and adds async + `rollout.partial`; its line: result:
+engine=... partial_vs_max=... partial_engine_idle_frac=... one_step_off_vs_max=...
 
 Ends with one line: result: sync_s=... one_step_off_s=... async_s=... max_s=... sum_s=... one_step_off_vs_max=...
 (per-step medians after warm-up; one_step_off_vs_max = one_step_off_s / max_s of the same run, the goal is <= 1.10)
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 
@@ -35,8 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from async_partial import median, run_partial, run_trainer  # noqa: E402
-from weight_sync import MODELS, TOKEN, start_server  # noqa: E402  (the ~100M model and the server of that bench)
+from async_partial import median, run_partial, run_trainer, start_pinned_server  # noqa: E402
+from weight_sync import MODELS, TOKEN  # noqa: E402  (the ~100M model and the server of that bench)
 
 MODES = [
     ("sync", []),
@@ -105,28 +104,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--partial", action="store_true", help="long-tailed batches, + async with rollout.partial")
     ap.add_argument("--tail", type=int, default=8, help="--partial: the long prompts ask for this many x the tokens")
+    ap.add_argument(
+        "--engine",
+        default="remote",
+        choices=["remote", "vllm"],
+        help="--partial: the engine on core 1, a rollout server or the trainer's colocated vLLM engine",
+    )
     args = ap.parse_args()
     from mgrpo.models.tiny import make_tiny_hf
-    from mgrpo.parallel.distributed import free_port
 
     work = tempfile.mkdtemp(prefix="mgrpo-async-bench-")
     model = make_tiny_hf(os.path.join(work, "model"), seed=0, **MODELS[args.model])
     if args.partial:
         return run_partial(args, work, model)
-    port = free_port()
-    os.environ.update(pinned())
-    real_popen = subprocess.Popen
-    subprocess.Popen = lambda cmd, **kw: real_popen(["taskset", "-c", "1", *cmd], **kw)  # the server on core 1
-    try:
-        server = start_server(model, port, os.path.join(work, "server.log"))
-    finally:
-        subprocess.Popen = real_popen
+    server, url = start_pinned_server(model, work)  # on core 1
     runs = {}
     try:
         for name, mode_args in MODES:
-            runs[name] = train(
-                mode_args, model, f"http://127.0.0.1:{port}", os.path.join(work, name), args.steps, args.max_tokens
-            )
+            runs[name] = train(mode_args, model, url, os.path.join(work, name), args.steps, args.max_tokens)
             print(f"{name}: done ({len(runs[name])} steps)", flush=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
