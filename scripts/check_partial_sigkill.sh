@@ -2,7 +2,8 @@
 # SIGKILL a partial-rollout async run (colocated vLLM engine) mid-step after a checkpoint, resume it, and check
 # that every step and every prompt of each epoch is trained once and the interrupted responses were continued.
 # Run by hand (two vLLM launches, ~2 min on 2 cores; not in the suite): bash scripts/check_partial_sigkill.sh [DIR]
-# The in-suite test of the same property without the kill: tests/rollout/test_vllm_engine.py::
+# The in-suite tests of the same property: with the kill on a rollout server, tests/rollout/test_remote_engine.py::
+# test_a_killed_partial_run_resumes_and_trains_each_prompt_once; without it, tests/rollout/test_vllm_engine.py::
 # test_a_partial_run_resumed_mid_async_continues_what_it_had_in_flight.
 set -euo pipefail
 cd "$(dirname "$0")/.."

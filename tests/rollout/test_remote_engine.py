@@ -466,6 +466,61 @@ def _hang_after(metrics, steps: int, delay, proc) -> None:
         time.sleep(0.2)
 
 
+def test_a_killed_partial_run_resumes_and_trains_each_prompt_once(server, dirs, tmp_path):
+    """SIGKILL of an async + partial run between saves (issue 56), on the remote engine (the module's server lives
+    on; only the trainer dies). Saved every 4 steps, killed while step 5 trains, resumed from step 4: every step
+    runs once in the resumed log, each epoch's 32 prompts are trained once, and step 4's batch, interrupted at the
+    save, is continued from its stored prefixes (`async/continued_samples`) and trains the same prompts as the
+    killed run's step 4. (`scripts/check_partial_sigkill.sh` does the same with the colocated engine, by hand.)"""
+    import collections
+
+    out, ckpt, marker = tmp_path / "out", tmp_path / "ckpt", tmp_path / "marker"
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train_grpo.py"),
+        *("--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"]),
+        *("--rollout.engine", "remote", "--rollout.servers", server.url, "--rollout.remote.take_over", "true"),
+        *("--rollout.mode", "async", "--rollout.max_staleness", "1", "--rollout.partial", "true"),
+        *("--rollout.ignore_eos", "true", "--rollout.max_tokens", "96", "--train.steps", "8"),
+        *("--checkpoint.save_dir", str(ckpt), "--checkpoint.save_interval", "4", "--logging.output_dir", str(out)),
+        *("--logging.progress_bar", "false", "--logging.completions_interval", "1", "--logging.report", "false"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(MGRPO_SERVER_TOKEN=TOKEN, MGRPO_TEST_PAUSE="train:5", MGRPO_TEST_PAUSE_MARKER=str(marker))
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = collections.defaultdict(set)
+    for line in open(out / "completions.jsonl"):
+        row = json.loads(line)
+        killed[row["step"]].add(row["prompt"])
+    del env["MGRPO_TEST_PAUSE"]
+    latest = (ckpt / "latest").read_text().strip()
+    resumed = subprocess.run([*args, "--resume", str(ckpt / latest)], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    trained = collections.defaultdict(list)
+    for line in open(out / "completions.jsonl"):
+        row = json.loads(line)
+        trained[row["step"]].append(row["prompt"])
+    epochs = [[p for step in range(e, e + 4) for p in set(trained[step])] for e in (0, 4)]
+    continued = {r["step"]: r.get("async/continued_samples") for r in rows if r.get("async/continued_samples")}
+    print(
+        f"remote partial SIGKILL: steps {[r['step'] for r in rows]}; continued by step {continued}; prompts per "
+        f"epoch (distinct/trained) {[(len(set(e)), len(e)) for e in epochs]}"
+    )
+    assert [r["step"] for r in rows] == list(range(8)), "every step once"
+    assert all(len(set(e)) == len(e) == 32 for e in epochs), "every prompt once per epoch"
+    assert set(continued) == {4} and set(trained[4]) == killed[4], "step 4's interrupted batch, continued"
+
+
 def test_server_refusals_are_one_line(dirs, tmp_path):
     """No token on a non-loopback host, a folder that is not a model, a port in use: one line, non-zero exit."""
     import socket
