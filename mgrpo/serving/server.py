@@ -60,8 +60,8 @@ class Gate:
 
 class Guard:
     """Pure ASGI (streaming bodies pass through untouched, but for the token route's small JSON, salted): the token
-    on every route but GET /health; the gate and the weight-version header on every vLLM route; while the server is poisoned (`update.poisoned`), 503 with
-    the reason on GET /health and on every vLLM route."""
+    on every route but GET /health; the gate and the weight-version header on every vLLM route; while the server is
+    poisoned (`update.poisoned`), 503 with the reason on GET /health and on every vLLM route."""
 
     def __init__(self, app, token: str, gate: Gate, update=None):
         self.app, self.token, self.gate, self.update = app, ("Bearer " + token).encode(), gate, update
