@@ -242,35 +242,24 @@ def test_delta_pushes_give_bitwise_the_weights_of_a_full_push(single_rank, serve
     gives (xxh3 of every vLLM parameter). A sender that names a base the server does not hold gets "need full" and
     pushes the whole version in the same step; the next push is a delta again. Negative control: the digest
     tells two versions apart."""
-    import torch
-
     from mgrpo.weights.export import export_hf
 
     def weights_digest():
-        return json.loads(server.http("/mgrpo/weights_digest")[1])["workers"][0]["digest"]
+        return _weights_digest(server)
 
     tensors = [(n, t.clone()) for n, t in export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)]
     engine = connect(server, dirs, delta=True)
-    transport, g, receipts = engine.weight_transport(1 << 20), torch.Generator().manual_seed(0), []
-    try:
-        for step in range(6):
-            if step:
-                for _, t in tensors:
-                    t.add_((torch.rand(t.shape, generator=g) < 0.03) * torch.randn(t.shape, generator=g) * 1e-3)
-            before = weights_digest()
-            receipts.append(transport.send(iter(tensors), next(_versions)))
-        after_deltas = weights_digest()
-        assert after_deltas != before, "negative control: the digest must tell two versions apart"
-        first, rest = receipts[0]["delta"], [r["delta"] for r in receipts[1:]]
-        assert first["servers"] == [] and all(d["servers"] == [server.url[7:]] for d in rest)
-        fractions = [d["wire_bytes"] / d["dense_bytes"] for d in rest]
-        print(f"delta wire/dense per push {[round(f, 3) for f in fractions]}, base {first['base_host_bytes']} B")
-        assert max(fractions) < 0.5 and all(r["bytes"] < receipts[0]["bytes"] / 2 for r in receipts[1:])
+    g = torch.Generator().manual_seed(0)
 
-        full = engine.weight_transport(1 << 20, delta=False)
-        full.send(iter(tensors), next(_versions))
-        full.close()
-        assert weights_digest() == after_deltas, "deltas gave other weights than a full push"
+    def sparse_step(tensors):  # 3% of the elements move
+        for _, t in tensors:
+            t.add_((torch.rand(t.shape, generator=g) < 0.03) * torch.randn(t.shape, generator=g) * 1e-3)
+        return tensors
+
+    transport = engine.weight_transport(1 << 20)
+    try:
+        after_deltas, fractions = _deltas_equal_a_full_push(server, engine, transport, tensors, sparse_step)
+        assert max(fractions) < 0.5
 
         for t in (t for _, t in tensors):
             t.add_(1e-3 * (torch.rand(t.shape, generator=g) < 0.03))
@@ -292,6 +281,67 @@ def test_delta_pushes_give_bitwise_the_weights_of_a_full_push(single_rank, serve
         assert weights_digest() == after_fallback
     finally:
         transport.close()
+
+
+def test_bf16_delta_pushes_give_bitwise_the_weights_of_a_full_push(single_rank, dirs):
+    """The same on a bf16 server (`--dtype bfloat16`, its own start): fp32 master weights take five dense steps of
+    2e-5 x N(0, 1) per element, like an optimizer step at a small LR, and each step pushes their bf16 rounding as a
+    delta. Most bf16 elements do not move (the step is under bf16's rounding step), so a delta is a fraction of
+    the bytes; after five the server's parameters are bitwise those of a full push of the same bf16 tensors.
+    Negative control: the digest tells two versions apart."""
+    from mgrpo.parallel.distributed import free_port
+    from mgrpo.weights.export import export_hf
+
+    masters = [(n, t.clone()) for n, t in export_hf(trainer_actor(dirs["new"]).models(), dst=0, bucket_bytes=1 << 20)]
+    g = torch.Generator().manual_seed(1)
+
+    def dense_step(tensors):
+        for _, t in masters:
+            t.add_(torch.randn(t.shape, generator=g) * 2e-5)
+        return [(n, t.to(torch.bfloat16)) for n, t in masters]
+
+    bf16 = Server(dirs["base"], free_port(), str(dirs["logs"] / "bf16.log"), args=["--dtype", "bfloat16"])
+    try:
+        engine = connect(bf16, dirs, delta=True, run_id="bf16-tests")
+        transport = engine.weight_transport(1 << 20)
+        try:
+            start = [(n, t.to(torch.bfloat16)) for n, t in masters]
+            _, fractions = _deltas_equal_a_full_push(bf16, engine, transport, start, dense_step)
+        finally:
+            transport.close()
+        assert max(fractions) < 0.5
+    finally:
+        bf16.stop()
+
+
+def _weights_digest(server) -> str:
+    return json.loads(server.http("/mgrpo/weights_digest")[1])["workers"][0]["digest"]
+
+
+def _deltas_equal_a_full_push(server, engine, transport, tensors, step) -> tuple:
+    """A full push of `tensors`, then five delta pushes, each after `step(tensors)` -> the tensors to push; then
+    the same tensors pushed whole by another transport must leave the server's parameters bitwise as they were.
+    Returns (the digest after the deltas, each delta's wire bytes over its dense bytes)."""
+    receipts = [transport.send(iter(tensors), next(_versions))]
+    for _ in range(5):
+        before = _weights_digest(server)
+        tensors = step(tensors)
+        receipts.append(transport.send(iter(tensors), next(_versions)))
+    after_deltas = _weights_digest(server)
+    assert after_deltas != before, "negative control: the digest must tell two versions apart"
+    first, rest = receipts[0]["delta"], [r["delta"] for r in receipts[1:]]
+    assert first["servers"] == [] and all(d["servers"] == [server.url[7:]] for d in rest)
+    fractions = [d["wire_bytes"] / d["dense_bytes"] for d in rest]
+    dtypes = sorted({str(t.dtype) for _, t in tensors})
+    print(f"{dtypes} delta wire/dense per push {[round(f, 3) for f in fractions]}, base {first['base_host_bytes']} B")
+    assert all(r["bytes"] < receipts[0]["bytes"] / 2 for r in receipts[1:])
+    full = engine.weight_transport(1 << 20, delta=False)
+    try:
+        full.send(iter(tensors), next(_versions))
+    finally:
+        full.close()
+    assert _weights_digest(server) == after_deltas, "deltas gave other weights than a full push"
+    return after_deltas, fractions
 
 
 def test_collective_sync_to_a_server_without_it_names_the_flag(single_rank, server, dirs):
