@@ -7,11 +7,9 @@ trains on step s. Prompts are drawn in step order on every rank, as in sync, so 
 with the same sampling seeds in every mode; only the weights that generated them differ.
 
 A weight push between optimizer steps waits for the engine's call in flight (vLLM's server gate, the colocated
-engine's and the HF engine's pause new generation for an update and let the running call finish), so each batch
-comes from one weight version and no response mixes versions. SGLang is the exception (on paper): its push pauses
-with mode `retract` (`transports/collective_sglang.py`), so running requests continue on the new weights with
-their prefix prefilled again, as `rollout.recompute_kv_after_update` does, and their tokens carry SGLang's version
-spans. With `rollout.partial` (vLLM engines, colocated or remote) a push holds the requests in flight instead and continues them on the new
+engine's, the HF engine's and the SGLang guard's drain pause new generation for an update and let the running call
+finish), so each batch comes from one weight version and no response mixes versions. With `rollout.partial`
+(vLLM engines, colocated or remote) a push holds the requests in flight instead and continues them on the new
 weights (verl's partial rollout, AReaL's interruptible generation): a response may span versions, and each token
 carries the version that sampled it and that version's logprob (`Sample.token_versions`, `rollout_logprobs`).
 Staleness = the version being trained - the oldest version in a sample; groups over `max_staleness` are

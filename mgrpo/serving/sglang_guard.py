@@ -13,6 +13,9 @@ the guard listens where the user asked (loopback by default; TLS off loopback, a
   503 on /health and generation until it is restarted (the trainer excludes it);
 - answers `GET /mgrpo/version` ({version, owner, poisoned, workers}) as the vLLM server does, so the remote
   client's replica logic (exclusion, rejoin, ownership) is the same for both;
+- counts the generation calls through it, and `POST /mgrpo/drain {timeout_s}` holds new ones and waits for the
+  running ones to finish (a push that must not mix versions, mgrpo's "finish"; SGLang's pause mode `retract`
+  would continue them on the new weights); `/continue_generation` releases them;
 - forwards everything else to SGLang with the admin key (bodies and answers untouched).
 """
 
@@ -60,6 +63,51 @@ class GuardState:
         self.version, self.poisoned, self.manifest = 0, "", None
         self.ownership = Ownership(log)
         self.log = log
+        self.gate = None  # asyncio.Condition, made in the server's loop (`drain`)
+        self.inflight, self.draining = 0, None  # generation calls through the guard; the drain's release task
+
+    async def enter(self) -> None:
+        """A generation call waits while a push drains the server (`drain`), then counts as in flight."""
+        async with self.gate:
+            await self.gate.wait_for(lambda: self.draining is None)
+            self.inflight += 1
+
+    async def leave(self) -> None:
+        async with self.gate:
+            self.inflight -= 1
+            self.gate.notify_all()
+
+    async def drain(self, timeout_s: float) -> int:
+        """A push whose calls in flight must finish first (`rollout.partial` off: mgrpo's "finish"): new calls wait,
+        the running ones end on the old weights; SGLang's own pause (mode `retract`) would instead continue them on
+        the new weights. Released by `/continue_generation`, or after `timeout_s` if the pusher never comes back
+        (a trainer killed mid-push must not stop generation for good). Returns the calls it waited for."""
+        import asyncio
+
+        async with self.gate:
+            waited = self.inflight
+            self.draining = asyncio.get_running_loop().call_later(timeout_s, self._release_later)
+            try:
+                await asyncio.wait_for(self.gate.wait_for(lambda: self.inflight == 0), timeout_s)
+            except asyncio.TimeoutError:
+                self.draining.cancel()
+                self.draining = None
+                self.gate.notify_all()
+                raise
+        return waited
+
+    def _release_later(self) -> None:
+        import asyncio
+
+        self.log("a drain was not followed by /continue_generation in time: generation goes on")
+        asyncio.ensure_future(self.release())
+
+    async def release(self) -> None:
+        async with self.gate:
+            if self.draining is not None:
+                self.draining.cancel()
+                self.draining = None
+            self.gate.notify_all()
 
     def refusal(self, headers, version: int | None) -> str | None:
         return self.ownership.refusal(
@@ -138,11 +186,19 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
                     "poisoned": state.poisoned or None,
                     "workers": state.workers,
                     "engine": "sglang",
+                    "generating": state.inflight,
+                    "draining": state.draining is not None,
                 }
             )
-        if path in GENERATION or method in ("GET", "HEAD"):
-            if state.poisoned and path in GENERATION:
+        if path in GENERATION:
+            if state.poisoned:
                 return refuse(503, f"poisoned: {state.poisoned}; restart the server")
+            await state.enter()
+            try:
+                return await forward(request)
+            finally:
+                await state.leave()
+        if method in ("GET", "HEAD"):
             return await forward(request)
         raw = await request.read()
         try:
@@ -158,6 +214,12 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         why = state.refusal(request.headers, version)
         if why:
             return refuse(409, why)
+        if path == "/mgrpo/drain":
+            timeout_s = float(body.get("timeout_s") or 600)
+            try:
+                return web.json_response({"waited_for": await state.drain(timeout_s)})
+            except TimeoutError:
+                return refuse(503, f"generation calls in flight did not finish within {timeout_s:g} s")
         if path == "/begin_weight_update":
             state.manifest = Manifest(state.expected, state.optional)
         elif path == "/update_weights_from_distributed":
@@ -190,10 +252,15 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         if path == "/update_weight_version" and resp.status == 200:
             state.version, state.manifest = version, None
             state.ownership.committed(version)
+        if path == "/continue_generation":
+            await state.release()  # after SGLang resumed: the calls that waited go to a running server
         return resp
 
     async def start(app):
+        import asyncio
+
         app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        state.gate = asyncio.Condition()
 
     async def stop(app):
         await app["session"].close()

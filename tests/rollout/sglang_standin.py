@@ -2,7 +2,9 @@
 are CUDA-only). Run with `.sglang/` on PYTHONPATH. The data plane is SGLang 0.5.23's own code: each request body is
 parsed with its io_struct class the way FastAPI does, groups are joined by SGLang's
 `WeightUpdater.init_weights_update_group` (as TP worker 0) and buckets taken by its
-`receive_weights_from_distributed`; only this small HTTP shim and the absence of a model are ours. What arrives is
+`receive_weights_from_distributed`; only this small HTTP shim and the absence of a model are ours (with a
+`generate-hold` file in the dump folder, /generate holds until a `generate-release` file appears, then answers one
+token: the drain test). What arrives is
 kept and written to `--dump/v{version}.safetensors` at /update_weight_version; GET /standin/calls lists the
 weight-route calls in order. Like SGLang with `--admin-api-key`, every route but /health wants that key.
 
@@ -68,8 +70,17 @@ def main() -> None:
             return web.json_response({"weight_version": version[0]})
         if path == "/standin/calls":
             return web.json_response(calls)
-        if path == "/generate":
-            return web.json_response({"error": "stand-in: no model"}, status=501)
+        if path == "/generate":  # no model: with a `generate-hold` file, holds until `generate-release` (60 s at most)
+            if not os.path.exists(os.path.join(args.dump, "generate-hold")):
+                return web.json_response({"error": "stand-in: no model"}, status=501)
+            calls.append("/generate")
+            for _ in range(1200):
+                if os.path.exists(os.path.join(args.dump, "generate-release")):
+                    break
+                await asyncio.sleep(0.05)
+            calls.append("/generate done")
+            info = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 7, None]]}
+            return web.json_response({"output_ids": [7], "meta_info": dict(info, weight_version=version[0])})
         body = await request.json() if request.can_read_body else {}
         async with lock:  # SGLang serves weight requests one at a time
             calls.append(path)

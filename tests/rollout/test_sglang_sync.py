@@ -190,6 +190,68 @@ def test_push_arrives_bit_exact_in_sglangs_receiver(env, tp, pp, version):
     assert info["version"] == version and info["owner"]["run"] == RUN
 
 
+def test_a_push_lets_generation_in_flight_finish_first(env):
+    """Without rollout.partial a push must not mix versions in a response, but SGLang's pause (mode `retract`)
+    continues running requests on the new weights. So the push first asks the guard to drain (`/mgrpo/drain`):
+    while a generation call is in flight (the stand-in holds it until told), the push waits at the guard and
+    SGLang sees no `/pause_generation`; once the call ends, the push goes on, and the guard serves generation again
+    after `/continue_generation`. Negative control: a pause sent straight through the guard, with no drain,
+    reaches SGLang while the call is still running."""
+    import threading
+
+    g, standin, logs = env["guard"], env["standin"], env["logs"]
+    hold, release = os.path.join(logs, "generate-hold"), os.path.join(logs, "generate-release")
+
+    def state():
+        return json.loads(g.http("/mgrpo/version")[1])
+
+    def generating(action) -> list:
+        """The stand-in's calls while one generation call is held and `action(before)` runs, then the call ends."""
+        before, answers = len(standin.calls()), []
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True}
+        worker = threading.Thread(target=lambda: answers.append(post(g, "/generate", body)))
+        open(hold, "w").close()
+        try:
+            worker.start()
+            deadline = time.time() + 30
+            while state()["generating"] < 1:
+                assert time.time() < deadline, "the generation call never reached the guard"
+                time.sleep(0.05)
+            action(before)
+        finally:
+            open(release, "w").close()
+            worker.join(timeout=60)
+            os.unlink(hold)
+            os.unlink(release)
+        assert answers and answers[0][0] == 200, answers
+        return standin.calls()[before:]
+
+    def push_while_held(before):
+        pusher = threading.Thread(target=lambda: _push(env, 1, 1, 3))
+        pusher.start()
+        deadline = time.time() + 120
+        while not state()["draining"]:
+            assert time.time() < deadline and pusher.is_alive(), "the push never reached the guard's drain"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert "/pause_generation" not in standin.calls()[before:], "SGLang paused while a call was in flight"
+        open(release, "w").close()
+        pusher.join(timeout=300)
+
+    calls = generating(push_while_held)
+    print(f"with the drain: {calls}")
+    assert calls.index("/generate done") < calls.index("/pause_generation"), calls
+    assert state()["version"] == 3 and not state()["draining"]
+
+    def pause_and_continue(before):
+        for path, body in (("/pause_generation", {"mode": "retract"}), ("/continue_generation", {})):
+            assert post(g, path, body, owner_headers())[0] == 200
+
+    calls = generating(pause_and_continue)
+    print(f"without: {calls}")
+    assert calls.index("/pause_generation") < calls.index("/generate done"), "negative control"
+
+
 def test_another_run_is_refused_and_a_version_without_an_update_too(env):
     g = env["guard"]
     status, body = post(g, "/begin_weight_update", {}, owner_headers("someone-else"))

@@ -9,7 +9,9 @@ side is its own code (`sglang/srt/model_executor/model_runner_components/weight_
           rank_offset: 1, world_size: 1 + server TP, group_name, backend}`; the group name carries a one-time nonce
           (SGLang prefixes every store key with it), the sender joins as rank 0 (SGLang's `init_custom_process_group`
           seen from the other end: the same PrefixStore and `_new_process_group_helper`).
-  update  owner: `/pause_generation {mode: retract}` (requests go back to the queue; the cache can be flushed),
+  update  owner: the guard's `/mgrpo/drain` (new generation calls wait, running ones finish on the old weights,
+          so no response mixes versions), `/pause_generation {mode: retract}` (nothing is left running; the cache
+          can be flushed),
           `/begin_weight_update`; then each sender, per bucket: `POST /update_weights_from_distributed {names,
           dtypes, shapes, group_name, load_format: "flattened_bucket", flush_cache: false}` while it broadcasts the
           bucket as one flat uint8 tensor (SGLang's `FlattenedTensorBucket` layout: back to back, no padding; a
@@ -74,6 +76,7 @@ class SenderGroup:
         self.pg = self.store = None
 
 
+DRAIN = "/mgrpo/drain"  # the guard's: new calls wait, running ones finish (else `retract` continues them, mixed)
 PAUSE = ("/pause_generation", {"mode": "retract"})  # running requests go back to the queue; the cache may be flushed
 BEGIN, END, FLUSH, RESUME = (
     ("/begin_weight_update", {}),
@@ -170,6 +173,8 @@ class SGLangCollectiveTransport(PerStageSync):
                 failed.setdefault(name, why)
         live = [r for r in targets if r.name in plan and r.name not in failed]
         if self.engine:
+            if getattr(self.engine, "in_flight", "finish") == "finish":  # calls in flight end on the old weights
+                self._each(live, DRAIN, {"timeout_s": self.timeout_s}, failed)
             self._each(live, *PAUSE, failed)
             self._each(live, *BEGIN, failed)
         go = share_json(sorted(failed) if self.engine else [], [0])[0]
