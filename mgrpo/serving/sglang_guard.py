@@ -86,6 +86,8 @@ class GuardState:
 
         async with self.gate:
             waited = self.inflight
+            if self.draining is not None:  # a second push before the first one's /continue_generation
+                self.draining.cancel()
             self.draining = asyncio.get_running_loop().call_later(timeout_s, self._release_later)
             try:
                 await asyncio.wait_for(self.gate.wait_for(lambda: self.inflight == 0), timeout_s)
