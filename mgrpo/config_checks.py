@@ -443,10 +443,16 @@ def partial_problems(cfg) -> list:
         e.append(
             "rollout.partial=true with rollout.mode=sync: nothing generates during a push; use one_step_off or async"
         )
-    if r.engine not in ("vllm", "remote"):
+    if r.engine == "sglang" and not r.recompute_kv_after_update:
+        e.append(
+            "rollout.partial=true with rollout.engine=sglang: SGLang's pause that holds requests through a push is "
+            "mode retract, which prefills their prefixes again under the new weights; set "
+            "rollout.recompute_kv_after_update=true (mode in_place, which keeps the old KV, is not built)"
+        )
+    elif r.engine not in ("vllm", "remote", "sglang"):
         e.append(
             f"rollout.partial=true with rollout.engine={r.engine}: in-flight updates are built for vLLM engines "
-            f"(pause_generation mode keep), colocated or remote; use rollout.engine=vllm or remote, or "
+            f"(pause_generation mode keep), colocated or remote, and SGLang; use one of those, or "
             f"rollout.partial=false"
         )
     if r.lora_sync == "adapter" and cfg.model.lora.rank:

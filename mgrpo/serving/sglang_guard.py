@@ -15,7 +15,9 @@ the guard listens where the user asked (loopback by default; TLS off loopback, a
   client's replica logic (exclusion, rejoin, ownership) is the same for both;
 - counts the generation calls through it, and `POST /mgrpo/drain {timeout_s}` holds new ones and waits for the
   running ones to finish (a push that must not mix versions, mgrpo's "finish"; SGLang's pause mode `retract`
-  would continue them on the new weights); `/continue_generation` releases them;
+  would continue them on the new weights); `/continue_generation` releases them; `POST /mgrpo/interrupt` (a
+  checkpoint of a partial run) aborts every call in flight with its tokens so far (SGLang's pause mode `abort`,
+  then `/continue_generation`) and marks their answers `x-mgrpo-interrupted: 1`;
 - forwards everything else to SGLang with the admin key (bodies and answers untouched).
 """
 
@@ -29,6 +31,7 @@ import sys
 from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER, Ownership
 
 GENERATION = {"/generate", "/v1/completions", "/v1/chat/completions"}
+INTERRUPTED_HEADER = "x-mgrpo-interrupted"  # "1": POST /mgrpo/interrupt ran while this call was in flight
 OPEN = {("GET", "/health")}
 
 
@@ -65,6 +68,7 @@ class GuardState:
         self.log = log
         self.gate = None  # asyncio.Condition, made in the server's loop (`drain`)
         self.inflight, self.draining = 0, None  # generation calls through the guard; the drain's release task
+        self.interrupts = 0  # POST /mgrpo/interrupt calls begun: a call aborted under one is "interrupted"
 
     async def enter(self) -> None:
         """A generation call waits while a push drains the server (`drain`), then counts as in flight."""
@@ -132,7 +136,8 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
     def refuse(status: int, why: str):
         return web.json_response({"error": why}, status=status)
 
-    async def forward(request: web.Request, body: bytes | None = None) -> web.Response:
+    async def forward(request: web.Request, body: bytes | None = None, path: str | None = None) -> web.Response:
+        """The request to SGLang with the admin key (`path`: another route, e.g. a step of /mgrpo/interrupt)."""
         session: aiohttp.ClientSession = request.app["session"]
         data = await request.read() if body is None else body
         headers = {"Authorization": f"Bearer {admin_key}"}
@@ -140,7 +145,7 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
             headers["Content-Type"] = request.content_type
         try:
             async with session.request(
-                request.method, upstream + request.path_qs, data=data or None, headers=headers
+                request.method, upstream + (path or request.path_qs), data=data or None, headers=headers
             ) as resp:
                 payload = await resp.read()
                 return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
@@ -196,10 +201,14 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
             if state.poisoned:
                 return refuse(503, f"poisoned: {state.poisoned}; restart the server")
             await state.enter()
+            interrupts = state.interrupts
             try:
-                return await forward(request)
+                resp = await forward(request)
             finally:
                 await state.leave()
+            if state.interrupts != interrupts:  # its answer may be cut short by POST /mgrpo/interrupt
+                resp.headers[INTERRUPTED_HEADER] = "1"
+            return resp
         if method in ("GET", "HEAD"):
             return await forward(request)
         raw = await request.read()
@@ -216,6 +225,14 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         why = state.refusal(request.headers, version)
         if why:
             return refuse(409, why)
+        if path == "/mgrpo/interrupt":  # a checkpoint of a partial run: every call ends now with its tokens so far
+            waited = state.inflight
+            state.interrupts += 1
+            for step, step_body in (("/pause_generation", {"mode": "abort"}), ("/continue_generation", {})):
+                resp = await forward(request, json.dumps(step_body).encode(), path=step)
+                if resp.status != 200:
+                    return refuse(502, f"SGLang refused {step} ({resp.status}): {resp.body[:200]!r}")
+            return web.json_response({"interrupted_requests": waited})
         if path == "/mgrpo/drain":
             timeout_s = float(body.get("timeout_s") or 600)
             try:

@@ -3,8 +3,8 @@ are CUDA-only). Run with `.sglang/` on PYTHONPATH. The data plane is SGLang 0.5.
 parsed with its io_struct class the way FastAPI does, groups are joined by SGLang's
 `WeightUpdater.init_weights_update_group` (as TP worker 0) and buckets taken by its
 `receive_weights_from_distributed`; only this small HTTP shim and the absence of a model are ours (with a
-`generate-hold` file in the dump folder, /generate holds until a `generate-release` file appears, then answers one
-token: the drain test). What arrives is
+`generate-hold` file in the dump folder, /generate holds until a `generate-release` file appears or a pause of mode
+`abort` comes, then answers one token, finish "length" or "abort": the drain and interrupt tests). What arrives is
 kept and written to `--dump/v{version}.safetensors` at /update_weight_version; GET /standin/calls lists the
 weight-route calls in order. Like SGLang with `--admin-api-key`, every route but /health wants that key.
 
@@ -46,7 +46,7 @@ def main() -> None:
         recapture_cuda_graph=None,
         get_model_runner=None,
     )
-    weights, calls, lock, version = {}, [], asyncio.Lock(), ["0"]
+    weights, calls, lock, version, aborted = {}, [], asyncio.Lock(), ["0"], [0]
     delay = os.path.join(args.dump, "receive-delay")  # tests: seconds to wait before each bucket, if it exists
     parse = {
         "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
@@ -74,12 +74,14 @@ def main() -> None:
             if not os.path.exists(os.path.join(args.dump, "generate-hold")):
                 return web.json_response({"error": "stand-in: no model"}, status=501)
             calls.append("/generate")
+            aborts = aborted[0]
             for _ in range(1200):
-                if os.path.exists(os.path.join(args.dump, "generate-release")):
+                if os.path.exists(os.path.join(args.dump, "generate-release")) or aborted[0] != aborts:
                     break
                 await asyncio.sleep(0.05)
             calls.append("/generate done")
-            info = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 7, None]]}
+            finish = {"type": "abort" if aborted[0] != aborts else "length"}
+            info = {"finish_reason": finish, "output_token_logprobs": [[-1.0, 7, None]]}
             return web.json_response({"output_ids": [7], "meta_info": dict(info, weight_version=version[0])})
         body = await request.json() if request.can_read_body else {}
         async with lock:  # SGLang serves weight requests one at a time
@@ -97,6 +99,8 @@ def main() -> None:
                         obj.backend,
                     )
                     return web.json_response({"success": ok, "message": msg}, status=200 if ok else 400)
+                if path == "/pause_generation" and obj.mode == "abort":
+                    aborted[0] += 1  # SGLang ends the requests in flight with what they have
                 if path == "/update_weights_from_distributed":
                     if os.path.exists(delay):
                         await asyncio.sleep(float(open(delay).read() or 0))

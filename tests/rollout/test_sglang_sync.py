@@ -252,6 +252,52 @@ def test_a_push_lets_generation_in_flight_finish_first(env):
     assert calls.index("/pause_generation") < calls.index("/generate done"), "negative control"
 
 
+def test_an_interrupt_ends_calls_in_flight_as_interrupted(env):
+    """A checkpoint of a partial run on SGLang (rollout.partial with recompute_kv_after_update): the guard's
+    POST /mgrpo/interrupt pauses SGLang with mode `abort` and resumes it; the call in flight (held by the stand-in)
+    ends with the token it had, its answer marked `x-mgrpo-interrupted`, which the client reads as "interrupted"
+    (the manager then continues it from its prefix). A call answered without an interrupt stays "length"."""
+    import threading
+
+    import httpx
+
+    from mgrpo.rollout.engines.sglang import SGLangEngine
+
+    g, standin, hold = env["guard"], env["standin"], os.path.join(env["logs"], "generate-hold")
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    engine = SGLangEngine.__new__(SGLangEngine)  # only its parser: no replicas needed
+    answers = []
+
+    def generate():
+        r = httpx.post(g.url + "/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        answers.append((r.status_code, r.json(), r.headers))
+
+    open(hold, "w").close()
+    try:
+        worker = threading.Thread(target=generate)
+        worker.start()
+        deadline = time.time() + 30
+        while json.loads(g.http("/mgrpo/version")[1])["generating"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        before = len(standin.calls())
+        status, receipt = post(g, "/mgrpo/interrupt", {}, owner_headers())
+        worker.join(timeout=60)
+    finally:
+        os.unlink(hold)
+    assert status == 200 and receipt == {"interrupted_requests": 1}, receipt
+    calls = standin.calls()[before:]
+    assert calls.index("/pause_generation") < calls.index("/generate done") and "/continue_generation" in calls
+    code, data, headers = answers[0]
+    out = engine.parse_response(data, headers, g.url)
+    print(f"interrupted through the guard: {out}")
+    assert code == 200 and out.finish_reason == "interrupted" and out.token_ids == [7]
+    plain = engine.parse_response(
+        dict(data, meta_info=dict(data["meta_info"], finish_reason={"type": "length"})), {}, ""
+    )
+    assert plain.finish_reason == "length", "negative control: no interrupt, no interrupted"
+
+
 def test_another_run_is_refused_and_a_version_without_an_update_too(env):
     g = env["guard"]
     status, body = post(g, "/begin_weight_update", {}, owner_headers("someone-else"))

@@ -20,7 +20,13 @@ and `/update_weights_from_distributed` with flattened buckets): SGLang has no ro
 from __future__ import annotations
 
 from mgrpo.rollout.engine import register_engine
-from mgrpo.rollout.engines.remote import RemoteEngine, RemoteEngineError, engine_from_config, token_versions
+from mgrpo.rollout.engines.remote import (
+    INTERRUPTED_HEADER,
+    RemoteEngine,
+    RemoteEngineError,
+    engine_from_config,
+    token_versions,
+)
 from mgrpo.rollout.types import GenerationResponse, SamplingParams
 
 TOP_K_ALL = -1  # SGLang's "no top-k"
@@ -54,7 +60,10 @@ class SGLangEngine(RemoteEngine):
         return body  # no rid: a retry may land on the same server, where a repeated rid is refused
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
-        return parse_generate(data, server)
+        out = parse_generate(data, server)
+        if out.finish_reason == "abort" and headers.get(INTERRUPTED_HEADER) == "1":
+            out.finish_reason = "interrupted"  # a checkpoint cut it short: the manager continues it from its tokens
+        return out
 
     def weight_transport(self, bucket_bytes: int, **kwargs):
         raise RemoteEngineError(
