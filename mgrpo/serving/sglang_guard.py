@@ -228,13 +228,18 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         if path == "/mgrpo/interrupt":  # a checkpoint of a partial run: every call ends now with its tokens so far
             waited = state.inflight
             state.interrupts += 1
-            for step, step_body in (("/pause_generation", {"mode": "abort"}), ("/continue_generation", {})):
-                resp = await forward(request, json.dumps(step_body).encode(), path=step)
+            try:
+                paused = await forward(request, json.dumps({"mode": "abort"}).encode(), path="/pause_generation")
+            finally:  # generation resumes whatever the pause said
+                resumed = await forward(request, b"{}", path="/continue_generation")
+            for step, resp in (("/pause_generation", paused), ("/continue_generation", resumed)):
                 if resp.status != 200:
                     return refuse(502, f"SGLang refused {step} ({resp.status}): {resp.body[:200]!r}")
             return web.json_response({"interrupted_requests": waited})
         if path == "/mgrpo/drain":
-            timeout_s = float(body.get("timeout_s") or 600)
+            timeout_s = body.get("timeout_s", 600)
+            if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
+                return refuse(400, f"/mgrpo/drain: timeout_s={timeout_s!r}; seconds in (0, 86400]")
             try:
                 return web.json_response({"waited_for": await state.drain(timeout_s)})
             except TimeoutError:
