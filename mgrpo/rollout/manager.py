@@ -470,5 +470,5 @@ def push_weights(
         out["sync/full_fallbacks"] = len(delta["full_fallback"])
     if isinstance(receipt, dict) and "held_requests" in receipt:  # vLLM engines: what the push paused
         out["sync/held_requests"] = receipt["held_requests"]  # continued on the new weights (rollout.partial)
-        out["sync/generation_paused_s"] = receipt.get("generation_paused_s") or receipt.get("total_s", 0.0)
+        out["sync/generation_paused_s"] = receipt.get("generation_paused_s", receipt.get("total_s", 0.0))
     return out

@@ -5,7 +5,7 @@ token and by the run ownership of `ownership.py`):
                                               before this call), draws a one-time nonce, has every worker join one
                                               group per sender (in the background: they wait for the senders), and
                                               answers {host, port, nonce, workers, backend, timeout_s}
-    POST /mgrpo/collective/{version}/update   {"delta_base": V | null, "keep_base": bool, "in_flight"} (deltas, `delta.py`):
+    POST /mgrpo/collective/{version}/update   {"delta_base": V | null, "keep_base": bool, "in_flight"} (`delta.py`):
                                               pause, receive every sender's buckets through vLLM's weight-transfer
                                               phases (`collective_receiver.py`: each bucket checked as it arrives,
                                               the set for completeness before anything loads), load, reset the
@@ -22,7 +22,7 @@ import datetime
 import secrets
 import time
 
-from mgrpo.serving.weight_routes import IN_FLIGHT, UpdateFailed, UpdateState, apply_version
+from mgrpo.serving.weight_routes import UpdateFailed, UpdateState, apply_version, in_flight_of
 from mgrpo.weights.transports.collective_group import version_mismatch, wire_versions
 
 MAX_SENDERS = 4096
@@ -118,9 +118,9 @@ def add_collective_routes(
         delta = {"delta_base": body.get("delta_base"), "keep_base": bool(body.get("keep_base"))}
         if delta["delta_base"] is not None and not isinstance(delta["delta_base"], int):
             return error(400, f"delta_base={delta['delta_base']!r}: a weight version (int) or null")
-        in_flight = body.get("in_flight", "finish")
-        if in_flight not in IN_FLIGHT:
-            return error(400, f"in_flight={in_flight!r}: one of {', '.join(IN_FLIGHT)}")
+        in_flight, bad = in_flight_of(body)
+        if bad:
+            return error(400, bad)
         async with update.lock:
             why = update.refusal(version) or update.claim(version, request.headers)
             if why:

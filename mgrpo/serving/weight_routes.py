@@ -73,6 +73,12 @@ class UpdateFailed(Exception):
 IN_FLIGHT = ("finish", "keep", "recompute")
 
 
+def in_flight_of(body: dict) -> tuple:
+    """(the commit body's `in_flight` mode, or why it is refused: for a 400)."""
+    mode = body.get("in_flight", "finish")
+    return (mode, None) if mode in IN_FLIGHT else (None, f"in_flight={mode!r}: one of {', '.join(IN_FLIGHT)}")
+
+
 async def apply_version(
     gate, update: UpdateState, engine_client, version: int, timeout_s: float, load, in_flight: str = "finish"
 ):
@@ -240,9 +246,9 @@ def add_weight_routes(
             return error(413, f"the commit body must come with Content-Length, at most {MAX_COMMIT_BODY} bytes")
         body = await request.json()
         count, digests = int(body.get("count", -1)), list(body.get("digests") or [])
-        in_flight = body.get("in_flight", "finish")
-        if in_flight not in IN_FLIGHT:
-            return error(400, f"in_flight={in_flight!r}: one of {', '.join(IN_FLIGHT)}")
+        in_flight, bad = in_flight_of(body)
+        if bad:
+            return error(400, bad)
         async with update.lock:
             refused = not_owner(version, request)
             if refused:

@@ -294,19 +294,7 @@ class RemoteEngine:
         return {"prompt": list(req.prompt_ids), "return_token_ids": True, **params, **model}
 
     def parse_response(self, data: dict, headers, server: str) -> GenerationResponse:
-        version = int(headers.get(VERSION_HEADER, -1))
-        if self.in_flight == "finish":
-            return _response(data, version, server)
-        choice = data["choices"][0]
-        ids = [int(t) for t in choice.get("token_ids") or []]
-        lps = [float(x["logprob"]) for x in ((choice.get("logprobs") or {}).get("content") or [])]
-        if len(lps) != len(ids):
-            raise RemoteEngineError(f"rollout server {server}: {len(ids)} tokens but {len(lps)} logprobs")
-        reason = choice.get("finish_reason") if choice.get("finish_reason") in ("stop", "length") else "abort"
-        if reason == "abort" and headers.get(INTERRUPTED_HEADER) == "1":
-            reason = "interrupted"  # its tokens so far are kept; the manager continues it from them
-        spans = {"weight_versions": choice.get("weight_versions"), "weight_version": version}
-        return GenerationResponse(ids, lps, reason, token_versions(spans, len(ids)), served_by=server)
+        return _response(data, headers, server)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_transport(self, bucket_bytes: int, **kwargs):
@@ -429,14 +417,24 @@ def _health(url: str, timeout: float, context=None) -> None:
         raise OSError(f"/health -> {resp.status_code}")
 
 
-def _response(data: dict, version: int, server: str) -> GenerationResponse:
+def _response(data: dict, headers, server: str) -> GenerationResponse:
+    """One choice of /v1/completions (`logprobs.token_logprobs`, one version: the header) or of the token route
+    (`logprobs.content[].logprob`, the versions from its `weight_versions` spans; "interrupted" when the server
+    says a checkpoint cut it short)."""
     choice = data["choices"][0]
-    ids = list(choice.get("token_ids") or [])
-    lps = [float(x) for x in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        lps = [float(x["logprob"]) for x in logprobs["content"] or []]
+    else:
+        lps = [float(x) for x in logprobs.get("token_logprobs") or []]
     if len(lps) != len(ids):
         raise RemoteEngineError(f"rollout server {server}: {len(ids)} tokens but {len(lps)} logprobs")
     reason = choice.get("finish_reason") if choice.get("finish_reason") in ("stop", "length") else "abort"
-    return GenerationResponse(ids, lps, reason, [version] * len(ids), served_by=server)
+    if reason == "abort" and headers.get(INTERRUPTED_HEADER) == "1":
+        reason = "interrupted"  # its tokens so far are kept; the manager continues it from them
+    spans = {"weight_versions": choice.get("weight_versions"), "weight_version": int(headers.get(VERSION_HEADER, -1))}
+    return GenerationResponse(ids, lps, reason, token_versions(spans, len(ids)), served_by=server)
 
 
 def token_versions(meta: dict, n: int) -> list:
