@@ -73,11 +73,13 @@ def connect(server, dirs, **kw):
     return RemoteEngine([server.url], TOKEN, load_tokenizer(dirs["base"]).eos_token_id, **kw)
 
 
-def push(engine, model_dir, bucket_bytes=1 << 20):
+def push(engine, model_dir, bucket_bytes=1 << 20, items=None):
+    """`items`: tensors exported beforehand (instead of `model_dir`'s export now). Returns (receipt, version)."""
     from mgrpo.weights.export import export_hf
 
     version = next(_versions)
-    items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=1 << 20)
+    if items is None:
+        items = export_hf(trainer_actor(model_dir).models(), dst=0, bucket_bytes=1 << 20)
     transport = engine.weight_transport(bucket_bytes)
     try:
         return transport.send(items, version), version
