@@ -272,3 +272,40 @@ def test_gqa_attention_without_repeated_kv_equals_hfs_sdpa_and_eager(engine, mod
     AttentionMaskInterface.register("wrong_kv_order", sdpa_mask)
     wrong = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="wrong_kv_order").eval()
     assert float((ours - logits(wrong)).abs().max()) > 1e-3, "negative control"
+
+
+def test_the_reserved_kv_cache_samples_as_hfs_dynamic_cache(engine, monkeypatch):
+    """The engine writes keys and values into buffers reserved once per batch (`reserved_cache`: no
+    concatenation of the whole cache at every decode step). A left-padded batch of 3 prompts x 2 samples, 24
+    tokens, gives the tokens and logprobs of the same engine on HF's `DynamicCache` (1e-6). Negative control: the
+    reserved cache with its prompt rows handed out in the wrong order gives other samples."""
+    from transformers.cache_utils import DynamicLayer
+
+    import mgrpo.rollout.engines.hf as hf
+
+    sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    requests = reqs(seed=11, n=2, prompts=PROMPTS[:3])
+    layers = []
+    hook = engine.model.register_forward_hook(lambda m, a, out: layers.append(type(out.past_key_values.layers[0])))
+    try:
+        reserved = run(engine, requests, sp)
+    finally:
+        hook.remove()
+    assert layers[0] is not DynamicLayer and issubclass(layers[0], DynamicLayer), layers[0]
+    monkeypatch.setattr(engine, "_full_attention", False)  # HF's own cache class
+    dynamic = run(engine, requests, sp)
+    assert [o.token_ids for o in reserved] == [o.token_ids for o in dynamic]
+    diff = max(abs(p - q) for x, y in zip(reserved, dynamic) for p, q in zip(x.logprobs, y.logprobs))
+    print(f"reserved vs HF's dynamic KV cache: same tokens, max logprob difference {diff:.1e}")
+    assert diff <= 1e-6
+    monkeypatch.setattr(engine, "_full_attention", True)
+    real = hf.reserved_cache
+
+    def rolled(capacity):
+        cache = real(capacity)
+        reorder = cache.reorder_cache
+        cache.reorder_cache = lambda rows: reorder(rows.roll(1))
+        return cache
+
+    monkeypatch.setattr(hf, "reserved_cache", rolled)
+    assert [o.token_ids for o in run(engine, requests, sp)] != [o.token_ids for o in reserved], "negative control"

@@ -88,6 +88,43 @@ def use_gqa_sdpa(model) -> bool:
     return True
 
 
+def reserved_cache(capacity: int):
+    """An HF `Cache` whose layers write each step's keys and values into buffers of `capacity` positions, allocated
+    once, and hand attention a view of the filled part. HF's `DynamicLayer` concatenates the whole cache with the new
+    token at every decode step (O(length) copies a step, O(length^2) a response); `StaticLayer` avoids that but
+    attends over all `capacity` positions. Same keys, values and masks as `DynamicLayer` (vLLM's paged KV cache
+    likewise never moves a written block)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, h, _, dk = key_states.shape
+            self._k = torch.empty(b, h, capacity, dk, dtype=self.dtype, device=self.device)
+            self._v = torch.empty(b, h, capacity, value_states.shape[-1], dtype=self.dtype, device=self.device)
+            self.length, self.is_initialized = 0, True
+            self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+
+        def update(self, key_states, value_states, *args, **kwargs) -> tuple:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"KV cache of {capacity} positions is full ({end} asked): a bug in the engine")
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def reorder_cache(self, beam_idx) -> None:  # the prompt's rows to each of its n requests
+            if self.is_initialized:
+                self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+                self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    return Cache(layer_class_to_replicate=ReservedLayer)
+
+
 def request_generator(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(int(seed) % (1 << 63))
@@ -120,6 +157,9 @@ class HFEngine:
         self.version = 0
         self.requests_peak, self.requests_served = 0, 0  # rows of one forward batch: requests in flight
         self._prefill_rows = 0  # rows of the first forward of the batch in flight (its distinct prompts)
+        # every layer full attention: the reserved KV cache (sliding or linear layers keep HF's own cache classes)
+        kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        self._full_attention = kinds == {"full_attention"}
         from mgrpo.models.qwen3_moe import per_expert_views
 
         # a tied lm_head is not listed separately; fused MoE experts are addressed one expert at a time
@@ -189,7 +229,14 @@ class HFEngine:
             mask[i, longest - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=reserved_cache(longest + sp.max_tokens) if self._full_attention else None,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         rows = torch.tensor(prompt_row, device=self.device)
         cache, logits, mask, pos = out.past_key_values, out.logits[:, -1], mask[rows], pos[rows]
         if len(prompts) < b:
