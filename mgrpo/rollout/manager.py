@@ -75,6 +75,7 @@ class RolloutManager:
         self.owners = list(owners.values())
         self.asked: dict = {}  # (step, round, tag) -> (rows, sampling, n) of a share in flight (owners): a reissue
         self.faults = {"engines_up": len(self.owners), "reissued_requests": 0, "engine_restarts": 0}
+        self.settling = False  # a checkpoint interrupts the batches in flight: no trajectory starts a new turn
 
     def fault_metrics(self) -> dict:
         """rollout/engines_up (engines that served the last share), rollout/reissued_requests (since the last call),
@@ -173,6 +174,7 @@ class RolloutManager:
                 [rows[i] for i in prompt_of],
                 [first_group + i for i in prompt_of],
                 sampling or self.sampling(),
+                stopping=self._stop,
             )
         responses = asyncio.run(self._run(requests, sampling or self.sampling()))
         samples = []
@@ -247,6 +249,15 @@ class RolloutManager:
         mine = {groups[i] for i in shares(len(groups), len(self.owners))[self.index]}
         own = [replace(s, info=dict(s.info)) for s in samples if s.group_id in mine]  # the caller's stay as they are
         todo = [s for s in own if s.finish_reason == "interrupted"]
+        if self.cfg.rollout.scheduler:  # trajectories: replayed turn by turn, the interrupted turn continued
+            from mgrpo.rollout.multiturn.driver import continue_scheduled
+
+            try:
+                own = continue_scheduled(self.scheduler(), self.engine, self.cfg, own, self.sampling(), self._stop)
+                self._score([s for s in own if "continued_from" in s.info])
+            except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
+                return {"error": f"step {step}: continuing {len(todo)} interrupted trajectories: {exc}"}
+            return {"samples": [sample_dict(s) for s in own]}
         budget = [(s.info.get("max_tokens") or self.cfg.rollout.max_tokens) - len(s.response_ids) for s in todo]
         requests = [
             GenerationRequest(
@@ -277,6 +288,9 @@ class RolloutManager:
         except Exception as exc:  # noqa: BLE001  (every rank must reach share(), then fail together)
             return {"error": f"step {step}: continuing {len(todo)} interrupted responses: {type(exc).__name__}: {exc}"}
         return {"samples": [sample_dict(s) for s in own]}
+
+    def _stop(self) -> bool:
+        return self.settling
 
     def _engine_died(self, error: str, key: list, indices) -> dict:
         """This owner's engine process is gone: restart it (it serves again only after the next full weight push:

@@ -81,8 +81,9 @@ class RolloutProducer:
         self.k = staleness_bound(cfg.rollout)
         self.threaded = cfg.rollout.mode != "sync"
         # partial: the batches in flight generate at once (the next batch's requests fill the slots a long tail
-        # leaves; a push no longer waits for them); otherwise one after the other
-        workers = max(1, self.k) if cfg.rollout.partial else 1
+        # leaves; a push no longer waits for them); otherwise one after the other. A scheduler's batches go one
+        # at a time: its one instance (it may hold state across trajectories) holds one batch's turn client.
+        workers = max(1, self.k) if cfg.rollout.partial and not cfg.rollout.scheduler else 1
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout") if self.threaded else None
         self.lock, self.running = threading.Lock(), 0  # batches generating now (owners)
         self.pending = {}  # step -> rows (sync), Future of the owner's payload, None (no engine here), or _Shared
@@ -153,10 +154,11 @@ class RolloutProducer:
 
     def interrupts(self) -> bool:
         """Whether a checkpoint interrupts the responses in flight instead of waiting for them: partial rollout
-        (its responses may span versions anyway) on an engine that can (the colocated vLLM engine),
-        single-turn (a scheduler's trajectory holds state between engine calls that a checkpoint does not)."""
+        (its responses may span versions anyway) on an engine that can (vLLM, colocated or remote). A scheduler's
+        trajectories stop at their turn in flight and are replayed turn by turn when continued
+        (`multiturn.driver.continue_scheduled`)."""
         r = self.cfg.rollout
-        return bool(r.partial and not r.scheduler and hasattr(self.manager.engine, "interrupt"))
+        return bool(r.partial and hasattr(self.manager.engine, "interrupt"))
 
     def settle(self) -> list:
         """Every batch in flight, shared (a collective): [[step, [sample dicts]]] for a checkpoint, so a resumed
@@ -167,16 +169,20 @@ class RolloutProducer:
         from dataclasses import asdict
 
         if self.threaded and self.interrupts() and any(isinstance(e, Future) for e in self.pending.values()):
+            self.manager.settling = True  # a scheduler's trajectories start no new turn
             try:
                 self.manager.engine.interrupt()
             except Exception as exc:  # noqa: BLE001  (the batches then finish as they are: the save waits for them)
                 print(f"mgrpo: warning: engine {self.manager.engine.name} was not interrupted for the save: {exc}")
-        for step in sorted(self.pending):
-            entry = self.pending[step]
-            if self.threaded and not isinstance(entry, _Shared):
-                self.pending[step] = _Shared(
-                    self.manager.share(entry.result() if entry is not None else {"samples": []})
-                )
+        try:
+            for step in sorted(self.pending):
+                entry = self.pending[step]
+                if self.threaded and not isinstance(entry, _Shared):
+                    self.pending[step] = _Shared(
+                        self.manager.share(entry.result() if entry is not None else {"samples": []})
+                    )
+        finally:
+            self.manager.settling = False
         return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]
 
     def _continue_interrupted(self) -> None:

@@ -5,6 +5,15 @@ computes inline (HF) the client coalesces the turns that are ready at the same m
 async engine (vLLM) gets one call per turn and batches them continuously itself. At most `rollout.max_concurrent` trajectories run at once, so at most that many
 requests are ever at the engine. A trajectory that raises is reported, counted and kept out of training (its
 sample carries `info["trajectory_error"]` and gets a NaN reward); the step goes on unless every one failed.
+
+A checkpoint of a partial run (issue 56) interrupts trajectories too: the turn in flight ends with the tokens it has
+and the trajectory stops (`TurnInterrupted`), and so does every trajectory that asks for a turn while the save
+settles. Its sample is "interrupted" and keeps every turn so far in `info["resume"]` (JSON). A scheduler's own
+state (environments, tools) is not saved: `continue_scheduled` runs the scheduler again from the start and answers
+each turn it asks for from the record, as long as it asks with the same token context (a deterministic
+environment does), continues the interrupted turn from its prefix, and generates from there on. A turn asked with
+another context ends the replay: from it on, the trajectory is generated afresh (counted in
+`info["replay_mismatch"]`). No recorded turn is generated twice.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from dataclasses import astuple
 
 from mgrpo.rollout.multiturn.tokens import turn_seed
 from mgrpo.rollout.multiturn.types import ChatMessage, ChatResponse, InferRequest, ResponseChoice, flatten
-from mgrpo.rollout.types import GenerationRequest, Sample
+from mgrpo.rollout.types import GenerationRequest, GenerationResponse, Sample
 from mgrpo.stopping import within
 
 log = logging.getLogger("mgrpo.rollout.multiturn")
@@ -29,27 +38,57 @@ class AllTrajectoriesFailed(RuntimeError):
     """Every trajectory of a rollout raised; the message has the first error."""
 
 
+class TurnInterrupted(BaseException):
+    """A checkpoint interrupted this trajectory (partial rollout). A BaseException, as asyncio's CancelledError:
+    a scheduler's `except Exception` around its turns must not swallow it."""
+
+
 class TurnClient:
     """Per-trajectory turns in, batched engine calls out, each under `timeout` seconds."""
 
-    def __init__(self, engine, tokenizer, timeout: float, coalesce: bool | None = None):
+    def __init__(self, engine, tokenizer, timeout: float, coalesce: bool | None = None, stopping=None, replay=None):
         """coalesce None: only for engines that compute inline (HF): there one batched forward beats many
         small ones (4.4x, benchmarks/multi_turn.py). An async engine (vLLM) batches continuously by itself, and
-        a shared call would hold every turn until its slowest one finished (one call per turn is 1.4x faster)."""
+        a shared call would hold every turn until its slowest one finished (one call per turn is 1.4x faster).
+        `stopping()`: true while a checkpoint settles (no new turn starts); `replay`: {uuid: recorded turns} of
+        interrupted trajectories, answered without the engine."""
         self.engine, self.tokenizer, self.timeout = engine, tokenizer, timeout
         self.coalesce = (not engine.capabilities.async_generate) if coalesce is None else coalesce
         self.pending, self.flushing, self.calls = [], False, 0
         self.turns: dict = {}  # uuid -> [(input ids, generated ids, routed experts)] of MoE engines that report them
+        self.stopping, self.replay = stopping or (lambda: False), dict(replay or {})
+        self.record: dict = {}  # uuid -> every turn so far, JSON-safe (an interrupted trajectory's resume state)
+        self.mismatched: set = set()  # uuids whose scheduler asked a replayed turn with another context
 
     async def infer_async(self, infer_request: InferRequest, sampling) -> ChatResponse:
         """One turn from `infer_request.prompt_ids`, seeded by (the trajectory's seed, its turn number). The
         engine's routed experts (MoE) are kept per trajectory, whatever the scheduler does with the turn."""
         infer_request.turns_generated += 1
-        k = infer_request.turns_generated
-        req = GenerationRequest(
-            list(infer_request.prompt_ids), turn_seed(infer_request.seed, k), f"{infer_request.uuid}-t{k}"
+        k, uuid = infer_request.turns_generated, infer_request.uuid
+        req = GenerationRequest(list(infer_request.prompt_ids), turn_seed(infer_request.seed, k), f"{uuid}-t{k}")
+        saved = self.replay.get(uuid) or []
+        resp = None
+        if len(saved) >= k and saved[k - 1]["prompt_ids"] == req.prompt_ids:
+            resp = await self._replayed(saved[k - 1], req, sampling, k)
+        elif len(saved) >= k:  # the scheduler asked with another context: generated afresh from here
+            self.replay.pop(uuid)
+            self.mismatched.add(uuid)
+        if resp is None:
+            if self.stopping():
+                raise TurnInterrupted(f"{uuid}: a checkpoint settles; turn {k} did not start")
+            resp = await self.generate(req, sampling)
+        self.record.setdefault(uuid, []).append(
+            dict(
+                prompt_ids=req.prompt_ids,
+                token_ids=list(resp.token_ids),
+                logprobs=list(resp.logprobs),
+                versions=list(resp.weight_versions),
+                finish_reason=resp.finish_reason,
+                routed=resp.routed_experts,
+            )
         )
-        resp = await self.generate(req, sampling)
+        if resp.finish_reason == "interrupted":
+            raise TurnInterrupted(f"{uuid}: a checkpoint interrupted turn {k} after {len(resp.token_ids)} tokens")
         if resp.routed_experts is not None:
             self.turns.setdefault(infer_request.uuid, []).append(
                 (req.prompt_ids, list(resp.token_ids), resp.routed_experts)
@@ -64,6 +103,33 @@ class TurnClient:
             token_versions=list(resp.weight_versions),
         )
         return ChatResponse([choice])
+
+    async def _replayed(self, turn: dict, req: GenerationRequest, sampling, k: int) -> GenerationResponse:
+        """A recorded turn as the engine gave it; an interrupted one continued from its prefix (the prompt and its
+        tokens so far as the prompt, the rest of the turn's budget, a seed of its own) and joined."""
+        done = GenerationResponse(
+            list(turn["token_ids"]), list(turn["logprobs"]), turn["finish_reason"], list(turn["versions"])
+        )
+        done.routed_experts = turn.get("routed")
+        if turn["finish_reason"] != "interrupted":
+            return done
+        left = sampling.max_tokens - len(turn["token_ids"])
+        if left <= 0:  # interrupted at its last token
+            done.finish_reason = "length"
+            return done
+        if self.stopping():
+            raise TurnInterrupted(f"{req.request_id}: a checkpoint settles; the turn was not continued")
+        seed = turn_seed(req.seed ^ 0x5EED, k + 1000)  # its own stream, not the prefix's
+        more = await self.generate(
+            GenerationRequest(req.prompt_ids + done.token_ids, seed, f"{req.request_id}-c", left), sampling
+        )
+        return GenerationResponse(
+            done.token_ids + list(more.token_ids),
+            done.logprobs + list(more.logprobs),
+            more.finish_reason,
+            done.weight_versions + list(more.weight_versions),
+            routed_experts=more.routed_experts,  # its prompt held the prefix: routing of the whole turn
+        )
 
     async def generate(self, request: GenerationRequest, sampling):
         future = asyncio.get_running_loop().create_future()
@@ -118,7 +184,7 @@ async def run_trajectories(scheduler, requests: list, sampling, max_concurrent: 
             error = None
             try:
                 return await scheduler.run(req, sampling)
-            except Exception as exc:  # noqa: BLE001  (counted and reported by the caller)
+            except (Exception, TurnInterrupted) as exc:  # noqa: BLE001  (counted and reported by the caller)
                 error = exc
                 return exc
             finally:
@@ -251,27 +317,77 @@ def context_limit(cfg) -> int | None:
         return None
 
 
-def scheduled_share(scheduler, engine, cfg, requests: list, rows: list, group_ids: list, sampling) -> list:
-    """This engine's trajectories (one per GenerationRequest, its row beside it) as Samples, in order."""
-    client = TurnClient(engine, scheduler.tokenizer, cfg.rollout.request_timeout_s)
-    scheduler.infer_engine = client
-    infer, infos = [], []
+def scheduled_share(
+    scheduler, engine, cfg, requests: list, rows: list, group_ids: list, sampling, stopping=None
+) -> list:
+    """This engine's trajectories (one per GenerationRequest, its row beside it) as Samples, in order; those a
+    checkpoint interrupted (`stopping`: true while it settles) as "interrupted" samples that can resume."""
+    infer = []
     for req, row in zip(requests, rows):
         columns = {k: v for k, v in row.items() if k not in ("messages", "prompt_ids")}
-        infer.append(
-            InferRequest(
-                messages=copy.deepcopy(row["messages"]),
-                data_dict=copy.deepcopy(columns),
-                uuid=req.request_id,
-                prompt_ids=list(req.prompt_ids),
-                seed=req.seed,
-            )
+        infer.append(dict(messages=row["messages"], columns=columns, uuid=req.request_id, seed=req.seed))
+    return _run_scheduled(
+        scheduler, engine, cfg, infer, [list(r.prompt_ids) for r in requests], group_ids, sampling, stopping, {}
+    )
+
+
+def continue_scheduled(scheduler, engine, cfg, samples: list, sampling, stopping=None) -> list:
+    """Interrupted trajectories (`info["resume"]`) run again from their start, every recorded turn answered from
+    the record (the module's docstring); finished ones come back as they are. Samples in the same order."""
+    todo = [s for s in samples if s.finish_reason == "interrupted" and "resume" in s.info]
+    infer = [{k: s.info["resume"][k] for k in ("messages", "columns", "uuid", "seed")} for s in todo]
+    replay = {s.info["resume"]["uuid"]: s.info["resume"]["turns"] for s in todo}
+    done = _run_scheduled(
+        scheduler,
+        engine,
+        cfg,
+        infer,
+        [list(s.prompt_ids) for s in todo],
+        [s.group_id for s in todo],
+        sampling,
+        stopping,
+        replay,
+    )
+    kept = {id(s): d for s, d in zip(todo, done)}
+    for s, d in zip(todo, done):
+        if d.finish_reason != "interrupted":
+            d.info["continued_from"] = sum(len(t["token_ids"]) for t in s.info["resume"]["turns"])
+    return [kept.get(id(s), s) for s in samples]
+
+
+def _run_scheduled(
+    scheduler, engine, cfg, infer: list, prompts: list, group_ids: list, sampling, stopping, replay: dict
+) -> list:
+    client = TurnClient(engine, scheduler.tokenizer, cfg.rollout.request_timeout_s, stopping=stopping, replay=replay)
+    scheduler.infer_engine = client
+    requests = [
+        InferRequest(
+            messages=copy.deepcopy(t["messages"]),
+            data_dict=copy.deepcopy(t["columns"]),
+            uuid=t["uuid"],
+            prompt_ids=list(p),
+            seed=t["seed"],
         )
-        infos.append(dict(columns, engine=engine.name))
-    outs = asyncio.run(run_trajectories(scheduler, infer, sampling, cfg.rollout.max_concurrent))
-    samples = [
-        to_sample(o, r, g, i, q.prompt_ids, client.turns.get(r.uuid))
-        for o, r, g, i, q in zip(outs, infer, group_ids, infos, requests)
+        for t, p in zip(infer, prompts)
     ]
+    outs = asyncio.run(run_trajectories(scheduler, requests, sampling, cfg.rollout.max_concurrent))
+    samples = []
+    for o, r, g, t, p in zip(outs, requests, group_ids, infer, prompts):
+        info = dict(t["columns"], engine=engine.name)
+        if r.uuid in client.mismatched:
+            info["replay_mismatch"] = 1
+        if isinstance(o, TurnInterrupted):  # its turns so far, to replay (JSON: a checkpoint stores it)
+            resume = dict(t, turns=client.record.get(r.uuid, []))
+            samples.append(
+                Sample(
+                    prompt_ids=p,
+                    group_id=g,
+                    finish_reason="interrupted",
+                    messages=t["messages"],
+                    info=dict(info, resume=resume),
+                )
+            )
+            continue
+        samples.append(to_sample(o, r, g, info, p, client.turns.get(r.uuid)))
     report(samples, engine.name)
     return samples
