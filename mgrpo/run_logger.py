@@ -230,6 +230,8 @@ class RunLogger:
                 "finish_reason": s.finish_reason,
                 "weight_version": s.weight_version,
             }
+            if "id" in s.info:  # the data row's own id column: which prompt this was, whatever its text
+                row["id"] = s.info["id"]
             if s.info.get("reward_failed"):
                 row["reward_failed"] = s.info["reward_failed"]
             if g.completions_token_ids:

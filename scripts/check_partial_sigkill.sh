@@ -2,6 +2,8 @@
 # SIGKILL a partial-rollout async run (colocated vLLM engine) mid-step after a checkpoint, resume it, and check
 # that every step and every prompt of each epoch is trained once and the interrupted responses were continued.
 # Run by hand (two vLLM launches, ~2 min on 2 cores; not in the suite): bash scripts/check_partial_sigkill.sh [DIR]
+# MULTI_TURN=1: the same with the gym scheduler (3 turns of guess-the-number per trajectory): interrupted
+# trajectories are replayed turn by turn and continued (docs/engines.md); prompts are told apart by their id column.
 # The in-suite tests of the same property: with the kill on a rollout server, tests/rollout/test_remote_engine.py::
 # test_a_killed_partial_run_resumes_and_trains_each_prompt_once; without it, tests/rollout/test_vllm_engine.py::
 # test_a_partial_run_resumed_mid_async_continues_what_it_had_in_flight.
@@ -10,8 +12,15 @@ cd "$(dirname "$0")/.."
 DIR=${1:-$(mktemp -d)}
 mkdir -p "$DIR"
 rm -rf "$DIR/out" "$DIR/ckpt" "$DIR/marker"
-ARGS=(--config examples/tiny_cpu.yaml --rollout.engine vllm --rollout.vllm.kv_cache_gb 1 --rollout.mode async
-  --rollout.max_staleness 1 --rollout.partial true --rollout.ignore_eos true --rollout.max_tokens 96
+if [ "${MULTI_TURN:-0}" = 1 ]; then
+  .venv/bin/python -c "import json,sys; [print(json.dumps({'prompt': 'Play the number guessing game.', 'id': k,
+    'target': 1 + k % 20, 'env_config': {'name': 'guess_number'}})) for k in range(32)]" > "$DIR/guess.jsonl"
+  TASK=(--config examples/tiny_cpu_gym.yaml --data.path "$DIR/guess.jsonl" --rollout.n 8 --rollout.max_tokens 128)
+else
+  TASK=(--config examples/tiny_cpu.yaml --rollout.max_tokens 96)
+fi
+ARGS=("${TASK[@]}" --rollout.engine vllm --rollout.vllm.kv_cache_gb 1 --rollout.mode async
+  --rollout.max_staleness 1 --rollout.partial true --rollout.ignore_eos true --rollout.prompts_per_step 8
   --train.steps 8 --checkpoint.save_dir "$DIR/ckpt" --checkpoint.save_interval 4
   --logging.output_dir "$DIR/out" --logging.progress_bar false --logging.completions_interval 1)
 # killed (the whole process group, engine included) while step 5 trains: steps 4 and 5 are lost
@@ -31,10 +40,10 @@ steps = [r["step"] for r in rows]
 by, killed = collections.defaultdict(set), collections.defaultdict(set)
 for line in open(f"{d}/out/completions.jsonl"):
     r = json.loads(line)
-    by[r["step"]].add(r["prompt"])
+    by[r["step"]].add(r.get("id", r["prompt"]))
 for line in open(f"{d}/completions_killed.jsonl"):
     r = json.loads(line)
-    killed[r["step"]].add(r["prompt"])
+    killed[r["step"]].add(r.get("id", r["prompt"]))
 epochs = [[p for s in range(e, e + 4) for p in by[s]] for e in (0, 4)]
 continued = {r["step"]: r.get("async/continued_samples", 0) for r in rows if r.get("async/continued_samples")}
 print(f"steps {steps}; continued samples by step {continued}; prompts per epoch (distinct/trained) "

@@ -168,7 +168,8 @@ class RolloutProducer:
         (`_continue_interrupted`)."""
         from dataclasses import asdict
 
-        if self.threaded and self.interrupts() and any(isinstance(e, Future) for e in self.pending.values()):
+        interrupting = self.threaded and self.interrupts() and any(isinstance(e, Future) for e in self.pending.values())
+        if interrupting:
             self.manager.settling = True  # a scheduler's trajectories start no new turn
             try:
                 self.manager.engine.interrupt()
@@ -183,6 +184,10 @@ class RolloutProducer:
                     )
         finally:
             self.manager.settling = False
+        held = [s for v in self.pending.values() if isinstance(v, _Shared) for s in v]
+        if interrupting:
+            cut = sum(s.finish_reason == "interrupted" for s in held)
+            print(f"mgrpo: checkpoint: {cut} of {len(held)} responses in flight interrupted (continued after it)")
         return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]
 
     def _continue_interrupted(self) -> None:

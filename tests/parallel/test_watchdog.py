@@ -38,6 +38,8 @@ for step in range(2):
             raise SystemExit(1)
 dog.close()
 print(f"rank {rank} done {float(t)}", flush=True)
+dist.barrier()  # as the trainer ends (shutdown_distributed): rank 0's store outlives rank 1's use of it
+dist.destroy_process_group()
 """
 
 

@@ -81,9 +81,10 @@ def partial_push(engine, push, dirs, in_flight: str, temperature: float = 0.7, m
     on `new`, with the engine's `in_flight` mode (rollout.partial). Returns (requests, responses, old version, new
     version, the receipt).
 
-    The push must land while all 16 are in flight; on a loaded 2-core machine the responses sometimes end before
-    it does (the receipt then holds fewer). That is a lost race of the setup, not a finding: it is tried again,
-    at most three times, and the caller's assertions see the last try."""
+    The push must land while all 16 are in flight, and before a quarter of them end: on a loaded 2-core machine the
+    responses sometimes end before vLLM's pause takes hold (the receipt holds fewer, or no response spans the two
+    versions). That is a lost race of the setup, not a finding: it is tried again, at most three times, and the
+    caller's assertions see the last try."""
     from mgrpo.weights.export import export_hf
 
     # exported before generation starts: building the trainer's actor takes longer than a short response
@@ -106,9 +107,13 @@ def partial_push(engine, push, dirs, in_flight: str, temperature: float = 0.7, m
             worker.join(timeout=120)
         finally:
             engine.in_flight = "finish"
-        if receipt["held_requests"] == len(many):
+        spanning = sum(len(set(o.weight_versions)) > 1 for o in result["out"])
+        if receipt["held_requests"] == len(many) and spanning >= len(many) // 4:
             break
-        print(f"partial push try {attempt + 1}: {receipt['held_requests']} of {len(many)} held (the responses won)")
+        print(
+            f"partial push try {attempt + 1}: {receipt['held_requests']} of {len(many)} held, {spanning} span both "
+            f"versions (the responses won the race)"
+        )
     return many, result["out"], old, new, receipt
 
 

@@ -526,14 +526,23 @@ def test_a_killed_partial_run_resumes_and_trains_each_prompt_once(server, dirs, 
     killed run's step 4. (`scripts/check_partial_sigkill.sh` does the same with the colocated engine, by hand.)"""
     import collections
 
-    out, ckpt, marker = tmp_path / "out", tmp_path / "ckpt", tmp_path / "marker"
+    out, ckpt, marker, data = tmp_path / "out", tmp_path / "ckpt", tmp_path / "marker", tmp_path / "data.jsonl"
+    # a long tail that lands on step 4 (the data in order: steps 0 and 4 take the first 8 prompts, which ask for
+    # 384 tokens): step 4's batch, generated while step 3 trains on 48-token responses, is still generating at the
+    # step-4 save however loaded the machine is
+    with open(os.path.join(ROOT, "examples", "data", "tiny_prompts.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:32]
+    data.write_text(
+        "".join(json.dumps(dict(r, **({"max_tokens": 384} if i < 8 else {}))) + "\n" for i, r in enumerate(rows))
+    )
     args = [
         sys.executable,
         os.path.join(ROOT, "launch", "train_grpo.py"),
         *("--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml"), "--model.path", dirs["base"]),
+        *("--data.path", str(data), "--data.shuffle", "false"),
         *("--rollout.engine", "remote", "--rollout.servers", server.url, "--rollout.remote.take_over", "true"),
         *("--rollout.mode", "async", "--rollout.max_staleness", "1", "--rollout.partial", "true"),
-        *("--rollout.ignore_eos", "true", "--rollout.max_tokens", "96", "--train.steps", "8"),
+        *("--rollout.ignore_eos", "true", "--rollout.max_tokens", "48", "--train.steps", "8"),
         *("--checkpoint.save_dir", str(ckpt), "--checkpoint.save_interval", "4", "--logging.output_dir", str(out)),
         *("--logging.progress_bar", "false", "--logging.completions_interval", "1", "--logging.report", "false"),
     ]
