@@ -15,7 +15,7 @@ rm -rf "$DIR/out" "$DIR/ckpt" "$DIR/marker"
 if [ "${MULTI_TURN:-0}" = 1 ]; then
   .venv/bin/python -c "import json,sys; [print(json.dumps({'prompt': 'Play the number guessing game.', 'id': k,
     'target': 1 + k % 20, 'env_config': {'name': 'guess_number'}})) for k in range(32)]" > "$DIR/guess.jsonl"
-  TASK=(--config examples/tiny_cpu_gym.yaml --data.path "$DIR/guess.jsonl" --rollout.n 8 --rollout.max_tokens 128)
+  TASK=(--config examples/tiny_cpu_gym.yaml --data.path "$DIR/guess.jsonl" --rollout.n 2 --rollout.max_tokens 128)
 else
   TASK=(--config examples/tiny_cpu.yaml --rollout.max_tokens 96)
 fi

@@ -145,6 +145,8 @@ class RolloutProducer:
             "async/staleness_max": max(stale, default=0),
             **token_staleness(samples, version),
             "async/continued_samples": sum("continued_from" in s.info for s in samples),
+            # interrupted trajectories whose scheduler asked a recorded turn with another context (generated afresh)
+            "async/replay_mismatch": sum(s.info.get("replay_mismatch", 0) for s in samples),
         }
         self.idle = 0.0
         return samples, {**(metrics if self.threaded else {}), **self.manager.fault_metrics()}
