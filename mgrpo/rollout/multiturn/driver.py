@@ -108,17 +108,18 @@ class TurnClient:
         """A recorded turn as the engine gave it; an interrupted one continued from its prefix (the prompt and its
         tokens so far as the prompt, the rest of the turn's budget, a seed of its own) and joined."""
         done = GenerationResponse(
-            list(turn["token_ids"]), list(turn["logprobs"]), turn["finish_reason"], list(turn["versions"])
+            list(turn["token_ids"]),
+            list(turn["logprobs"]),
+            turn["finish_reason"],
+            list(turn["versions"]),
+            routed_experts=turn.get("routed"),
         )
-        done.routed_experts = turn.get("routed")
-        if turn["finish_reason"] != "interrupted":
-            return done
         left = sampling.max_tokens - len(turn["token_ids"])
+        if turn["finish_reason"] != "interrupted" or self.stopping():  # a save settles: recorded again as it is
+            return done
         if left <= 0:  # interrupted at its last token
             done.finish_reason = "length"
             return done
-        if self.stopping():
-            raise TurnInterrupted(f"{req.request_id}: a checkpoint settles; the turn was not continued")
         seed = turn_seed(req.seed ^ 0x5EED, k + 1000)  # its own stream, not the prefix's
         more = await self.generate(
             GenerationRequest(req.prompt_ids + done.token_ids, seed, f"{req.request_id}-c", left), sampling

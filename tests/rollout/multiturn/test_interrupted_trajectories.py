@@ -79,6 +79,12 @@ def test_an_interrupted_trajectory_is_replayed_turn_by_turn_and_continued(tiny_d
     turns = stored[0].info["resume"]["turns"]
     assert [t["finish_reason"] for t in turns] == ["stop", "interrupted"] and len(turns[1]["token_ids"]) == 2
 
+    # a second save while they are being continued: nothing recorded is lost, the engine is asked for nothing
+    engine = InterruptingEngine(tok)
+    held = continue_scheduled(scheduler, engine, CFG, stored, SP, stopping=lambda: True)
+    assert [s.info["resume"]["turns"] for s in held] == [s.info["resume"]["turns"] for s in stored]
+    assert [s.finish_reason for s in held] == ["interrupted"] * 2 and engine.asked == []
+
     engine = InterruptingEngine(tok, version=4)  # the weights were pushed since
     continued = continue_scheduled(scheduler, engine, CFG, stored, SP, stopping=lambda: False)
     for ref, got in zip(reference, continued):
