@@ -19,7 +19,14 @@ if [ "${MULTI_TURN:-0}" = 1 ]; then
 else
   TASK=(--config examples/tiny_cpu.yaml --rollout.max_tokens 96)
 fi
-ARGS=("${TASK[@]}" --rollout.engine vllm --rollout.vllm.kv_cache_gb 1 --rollout.mode async
+# REMOTE_URL=http://127.0.0.1:PORT (a launch/rollout_server.py serving the same model; MGRPO_SERVER_TOKEN set):
+# the engine is that server, which outlives the kill (only the trainer dies)
+if [ -n "${REMOTE_URL:-}" ]; then
+  ENGINE=(--rollout.engine remote --rollout.servers "$REMOTE_URL" --rollout.remote.take_over true)
+else
+  ENGINE=(--rollout.engine vllm --rollout.vllm.kv_cache_gb 1)
+fi
+ARGS=("${TASK[@]}" "${ENGINE[@]}" --rollout.mode async
   --rollout.max_staleness 1 --rollout.partial true --rollout.ignore_eos true --rollout.prompts_per_step 8
   --train.steps 8 --checkpoint.save_dir "$DIR/ckpt" --checkpoint.save_interval 4
   --logging.output_dir "$DIR/out" --logging.progress_bar false --logging.completions_interval 1)
