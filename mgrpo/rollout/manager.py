@@ -174,7 +174,7 @@ class RolloutManager:
                 [rows[i] for i in prompt_of],
                 [first_group + i for i in prompt_of],
                 sampling or self.sampling(),
-                stopping=self._stop,
+                stopping=self._stop if self.cfg.rollout.partial else None,  # only partial runs are interrupted
             )
         responses = asyncio.run(self._run(requests, sampling or self.sampling()))
         samples = []

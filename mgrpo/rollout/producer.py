@@ -186,8 +186,8 @@ class RolloutProducer:
                     )
         finally:
             self.manager.settling = False
-        held = [s for v in self.pending.values() if isinstance(v, _Shared) for s in v]
         if interrupting:
+            held = [s for v in self.pending.values() if isinstance(v, _Shared) for s in v]
             cut = sum(s.finish_reason == "interrupted" for s in held)
             print(f"mgrpo: checkpoint: {cut} of {len(held)} responses in flight interrupted (continued after it)")
         return [[step, [asdict(s) for s in v]] for step, v in sorted(self.pending.items()) if isinstance(v, _Shared)]

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import math
 import os
+from array import array
 from dataclasses import astuple
 
 from mgrpo.rollout.multiturn.tokens import turn_seed
@@ -36,6 +38,12 @@ log = logging.getLogger("mgrpo.rollout.multiturn")
 
 class AllTrajectoriesFailed(RuntimeError):
     """Every trajectory of a rollout raised; the message has the first error."""
+
+
+def context_digest(ids: list) -> str:
+    """A turn's token context, as a recorded turn keeps it: a replay compares contexts, and the whole context of
+    every turn (O(turns x length)) would otherwise sit in memory and in the checkpoint."""
+    return f"{len(ids)}:" + hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 class TurnInterrupted(BaseException):
@@ -57,7 +65,9 @@ class TurnClient:
         self.pending, self.flushing, self.calls = [], False, 0
         self.turns: dict = {}  # uuid -> [(input ids, generated ids, routed experts)] of MoE engines that report them
         self.stopping, self.replay = stopping or (lambda: False), dict(replay or {})
-        self.record: dict = {}  # uuid -> every turn so far, JSON-safe (an interrupted trajectory's resume state)
+        # uuid -> every turn so far, JSON-safe (an interrupted trajectory's resume state); only where a save can
+        # interrupt (`stopping` given: partial rollout), so other runs pay nothing per turn
+        self.record: dict | None = {} if stopping is not None else None
         self.mismatched: set = set()  # uuids whose scheduler asked a replayed turn with another context
 
     async def infer_async(self, infer_request: InferRequest, sampling) -> ChatResponse:
@@ -67,8 +77,8 @@ class TurnClient:
         k, uuid = infer_request.turns_generated, infer_request.uuid
         req = GenerationRequest(list(infer_request.prompt_ids), turn_seed(infer_request.seed, k), f"{uuid}-t{k}")
         saved = self.replay.get(uuid) or []
-        resp = None
-        if len(saved) >= k and saved[k - 1]["prompt_ids"] == req.prompt_ids:
+        resp, context = None, context_digest(req.prompt_ids) if self.record is not None else None
+        if len(saved) >= k and saved[k - 1]["context"] == context:
             resp = await self._replayed(saved[k - 1], req, sampling, k)
         elif len(saved) >= k:  # the scheduler asked with another context: generated afresh from here
             self.replay.pop(uuid)
@@ -77,16 +87,17 @@ class TurnClient:
             if self.stopping():
                 raise TurnInterrupted(f"{uuid}: a checkpoint settles; turn {k} did not start")
             resp = await self.generate(req, sampling)
-        self.record.setdefault(uuid, []).append(
-            dict(
-                prompt_ids=req.prompt_ids,
-                token_ids=list(resp.token_ids),
-                logprobs=list(resp.logprobs),
-                versions=list(resp.weight_versions),
-                finish_reason=resp.finish_reason,
-                routed=resp.routed_experts,
+        if self.record is not None:
+            self.record.setdefault(uuid, []).append(
+                dict(
+                    context=context,
+                    token_ids=list(resp.token_ids),
+                    logprobs=list(resp.logprobs),
+                    versions=list(resp.weight_versions),
+                    finish_reason=resp.finish_reason,
+                    routed=resp.routed_experts,
+                )
             )
-        )
         if resp.finish_reason == "interrupted":
             raise TurnInterrupted(f"{uuid}: a checkpoint interrupted turn {k} after {len(resp.token_ids)} tokens")
         if resp.routed_experts is not None:
@@ -349,11 +360,11 @@ def continue_scheduled(scheduler, engine, cfg, samples: list, sampling, stopping
         stopping,
         replay,
     )
-    kept = {id(s): d for s, d in zip(todo, done)}
     for s, d in zip(todo, done):
         if d.finish_reason != "interrupted":
             d.info["continued_from"] = sum(len(t["token_ids"]) for t in s.info["resume"]["turns"])
-    return [kept.get(id(s), s) for s in samples]
+    continued = iter(done)
+    return [next(continued) if s.finish_reason == "interrupted" and "resume" in s.info else s for s in samples]
 
 
 def _run_scheduled(
@@ -378,7 +389,7 @@ def _run_scheduled(
         if r.uuid in client.mismatched:
             info["replay_mismatch"] = 1
         if isinstance(o, TurnInterrupted):  # its turns so far, to replay (JSON: a checkpoint stores it)
-            resume = dict(t, turns=client.record.get(r.uuid, []))
+            resume = dict(t, turns=(client.record or {}).get(r.uuid, []))
             samples.append(
                 Sample(
                     prompt_ids=p,

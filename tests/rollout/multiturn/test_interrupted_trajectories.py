@@ -105,7 +105,7 @@ def test_an_interrupted_trajectory_is_replayed_turn_by_turn_and_continued(tiny_d
 
     # negative control: a scheduler that asks turn 1 with another context (here: its record tampered) is
     # generated afresh from that turn, and says so
-    stored[0].info["resume"]["turns"][0]["prompt_ids"] = stored[0].info["resume"]["turns"][0]["prompt_ids"][:-1]
+    stored[0].info["resume"]["turns"][0]["context"] = "0:another"
     engine = InterruptingEngine(tok)
     again = continue_scheduled(scheduler, engine, CFG, stored, SP, stopping=lambda: False)
     assert again[0].info.get("replay_mismatch") == 1 and "replay_mismatch" not in again[1].info
