@@ -22,6 +22,7 @@ VERSION_HEADER = "x-mgrpo-weight-version"
 INTERRUPTED_HEADER = "x-mgrpo-interrupted"  # "1": POST /mgrpo/interrupt ran while this request was in flight
 TOKENS_PATH = "/inference/v1/generate"  # vLLM's token-in-token-out route (`--enable-scale-out`): version spans
 MAX_GENERATE_BODY = 64 << 20
+GENERATION = {TOKENS_PATH, "/v1/completions", "/v1/chat/completions"}  # POSTed: a call vLLM generates for
 
 
 class Gate:
@@ -30,16 +31,19 @@ class Gate:
     def __init__(self):
         self.cond = asyncio.Condition()
         self.inflight, self.updating, self.served, self.version = 0, False, 0, 0
+        self.generating = 0  # of `inflight`, the generation calls (an interrupt waits until vLLM holds them)
 
-    async def enter(self) -> int:
+    async def enter(self, generation: bool = False) -> int:
         async with self.cond:
             await self.cond.wait_for(lambda: not self.updating)
             self.inflight += 1
+            self.generating += generation
             return self.version
 
-    async def leave(self) -> None:
+    async def leave(self, generation: bool = False) -> None:
         async with self.cond:
             self.inflight -= 1
+            self.generating -= generation
             self.served += 1
             self.cond.notify_all()
 
@@ -93,13 +97,14 @@ class Guard:
             return await self.app(scope, receive, send)
         if poisoned:
             return await self.unavailable(send)
-        version = await self.gate.enter()
+        generation = method == "POST" and path in GENERATION
+        version = await self.gate.enter(generation)
         interrupts = self.update.interrupts if self.update is not None else 0
         if (method, path) == ("POST", TOKENS_PATH):
             try:
                 scope, receive = await salted(scope, receive, version)
             except ValueError as exc:
-                await self.gate.leave()
+                await self.gate.leave(generation)
                 return await _answer(send, 413, str(exc))
 
         async def stamped(message):
@@ -113,7 +118,7 @@ class Guard:
         try:
             return await self.app(scope, receive, stamped)
         finally:
-            await self.gate.leave()
+            await self.gate.leave(generation)
 
 
 async def salted(scope, receive, version: int) -> tuple:

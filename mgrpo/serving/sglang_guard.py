@@ -29,6 +29,7 @@ import os
 import sys
 
 from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER, Ownership
+from mgrpo.serving.vllm_settings import until
 
 GENERATION = {"/generate", "/v1/completions", "/v1/chat/completions"}
 INTERRUPTED_HEADER = "x-mgrpo-interrupted"  # "1": POST /mgrpo/interrupt ran while this call was in flight
@@ -226,6 +227,10 @@ def make_app(upstream: str, admin_key: str, token: str, state: GuardState):
         if why:
             return refuse(409, why)
         if path == "/mgrpo/interrupt":  # a checkpoint of a partial run: every call ends now with its tokens so far
+            expect = body.get("expect", 0) if isinstance(body, dict) else None
+            if type(expect) is not int or not 0 <= expect < 1 << 20:
+                return refuse(400, '/mgrpo/interrupt: the body is {"expect": <calls in flight here, an int >= 0>}')
+            await until(lambda: state.inflight >= expect)  # the calls its trainer sent are here (`vllm_settings`)
             waited = state.inflight
             state.interrupts += 1
             try:

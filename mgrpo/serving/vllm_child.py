@@ -31,9 +31,11 @@ from mgrpo.serving.shm_receiver import worker_outcome
 from mgrpo.serving.vllm_settings import (
     WORKER_EXTENSION,
     cpu_scheduling,
+    engine_holds,
     hf_manifest,
     lora_engine_args,
     sleep_engine_args,
+    until,
 )
 from mgrpo.weights import local_rpc
 from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
@@ -230,20 +232,24 @@ class EngineServer:
             held_requests=requests if held else 0,  # continued on the new weights (partial rollout)
         )
 
-    async def interrupt(self) -> dict:
+    async def interrupt(self, expect: int = 0) -> dict:
         """End every request in flight now, with the tokens it has, as "interrupted" (a checkpoint of a partial
         run stores them and the run continues each from its prefix: `RolloutProducer.settle`). vLLM's
         `pause_generation(mode="abort")` returns each aborted request's tokens, logprobs and version spans so
         far; generation resumes at once. New calls wait at the gate meanwhile."""
-        t0, requests = time.perf_counter(), self.requests_inflight
+        t0 = time.perf_counter()
+        await until(lambda: self.requests_inflight >= expect)  # the calls its client sent are here
         async with self._paused(wait_for_calls=False):
             self.interrupts_begun += 1
             try:
+                await until(lambda: engine_holds(self.llm) >= self.requests_inflight)  # and inside vLLM
+                requests = min(self.requests_inflight, engine_holds(self.llm))
+                missed = max(expect, self.requests_inflight) - requests  # still on the wire or in front of vLLM
                 await self.llm.pause_generation(mode="abort", clear_cache=False)
             finally:
                 await self.llm.resume_generation()
                 self.interrupts_done += 1
-        return {"interrupted_requests": requests, "total_s": time.perf_counter() - t0}
+        return {"interrupted_requests": requests, "not_yet_generating": missed, "total_s": time.perf_counter() - t0}
 
     async def sleep(self, level: int) -> dict:
         """The rollout phase is over: the engine's device memory goes to the trainer (level 1: weights to host
@@ -337,7 +343,7 @@ class EngineServer:
                         msg["version"], msg["channel"], msg.get("reset_cache", True), msg.get("in_flight", "finish")
                     )
                 elif op == "interrupt":
-                    result = await self.interrupt()
+                    result = await self.interrupt(int(msg.get("expect", 0)))
                 elif op == "sleep":
                     result = await self.sleep(int(msg["level"]))
                 elif op == "wake_up":

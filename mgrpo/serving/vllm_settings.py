@@ -73,3 +73,29 @@ def sleep_engine_args(level: int) -> dict:
     import torch
 
     return {"enable_sleep_mode": True} if level and torch.cuda.is_available() else {}
+
+
+ADMIT_WAIT_S = 5.0  # how long an interrupt waits for calls still on their way into vLLM
+
+
+async def until(condition, within_s: float = ADMIT_WAIT_S) -> bool:
+    """Wait until `condition()` holds, at most `within_s`; whether it holds.
+
+    An interrupt (a checkpoint of a partial run) waits so for the calls its trainer has sent to arrive, and then
+    for vLLM to hold a request for each: `pause_generation(mode="abort")` aborts only the requests vLLM holds, and
+    a call still on the wire, or being read or tokenized in front of vLLM, ran in full after it (a CI run under
+    load interrupted 2 of 4 calls so). A request is in vLLM's output processor (`engine_holds`) before it is sent
+    to the engine core, on the socket the pause is sent on after it (`AsyncLLM.add_request`): the abort reaches
+    it."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return bool(condition())
+
+
+def engine_holds(llm) -> int:
+    """Requests vLLM's `AsyncLLM` holds (a request with n samples counts n)."""
+    return llm.output_processor.get_num_unfinished_requests()

@@ -6,8 +6,8 @@
                                             flight finish, or are held: `apply_version`), load every staged bucket
                                             through the worker (complete, nothing unknown, shapes, dtypes), reset
                                             the prefix cache, stamp the version, resume
-    POST /mgrpo/interrupt                   end every request in flight with its tokens so far (a checkpoint of a
-                                            partial run continues them from their prefixes)
+    POST /mgrpo/interrupt                   {"expect"}: end every request in flight with its tokens so far (a
+                                            checkpoint of a partial run continues them from their prefixes)
     GET  /mgrpo/version                     version, poisoned, updating, staged, owner: what a client asks first
     GET  /mgrpo/stats, /mgrpo/routes        requests served and in flight; every route of the app (for audits)
 
@@ -21,11 +21,13 @@ trainer (409, unless it takes over) and any version not newer than the run's las
 # (no `from __future__ import annotations`: FastAPI reads the route signatures at runtime)
 
 import asyncio
+import json
 import os
 import sys
 import time
 
 from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER, Ownership
+from mgrpo.serving.vllm_settings import engine_holds, until
 
 MAX_COMMIT_BODY = 1 << 20  # the commit's JSON: a digest per bucket
 
@@ -145,6 +147,17 @@ async def _apply_version(gate, update: UpdateState, engine_client, version: int,
     t3 = time.perf_counter()
     times = dict(pause_s=t1 - t0, load_s=t2 - t1, reset_s=t3 - t2, total_s=t3 - t0)
     return dict(receipt, version=version, **times, held_requests=requests if held else 0)
+
+
+async def _expected_calls(request) -> int:
+    """The interrupt's `{"expect": n}`: the generation calls its sender has in flight to this server (0 for an empty
+    body); None when the body is something else."""
+    body = await request.body()
+    try:
+        expect = json.loads(body).get("expect", 0) if body else 0
+    except (ValueError, AttributeError):
+        return None
+    return expect if type(expect) is int and 0 <= expect < 1 << 20 else None
 
 
 async def _resume(gate, engine_client, held: bool, update: UpdateState) -> None:
@@ -301,21 +314,29 @@ def add_weight_routes(
     async def interrupt(request: Request):
         """A checkpoint of a partial run (issue 56; the colocated engine's `VLLMServer.interrupt`): every request in
         flight ends now with the tokens it has (vLLM's `pause_generation(mode="abort")`); their responses say so
-        (`server.INTERRUPTED_HEADER`) and the trainer continues each from its prefix. Generation resumes at once."""
+        (`server.INTERRUPTED_HEADER`) and the trainer continues each from its prefix. Generation resumes at once.
+        The body's `{"expect": n}`, the calls its trainer has in flight here, makes it wait (`vllm_settings.until`)
+        for those still on the wire and then for vLLM to hold each, so none runs on in full."""
         async with update.lock:
             why = update.refusal(None) or update.claim(None, request.headers)
             if why:
                 return error(409, why)
-            t0, requests = time.perf_counter(), gate.inflight
+            t0, expect = time.perf_counter(), await _expected_calls(request)
+            if expect is None:
+                return error(400, 'the body is {"expect": <calls in flight here, an int >= 0>} or empty')
+            await until(lambda: gate.generating >= expect)  # the calls its trainer sent are here
             await gate.pause(wait_for_calls=False)
             update.interrupts += 1
             try:
+                await until(lambda: engine_holds(engine_client) >= gate.generating)  # and inside vLLM
+                requests = min(gate.generating, engine_holds(engine_client))
+                missed = max(expect, gate.generating) - requests  # still on the wire or in front of vLLM
                 await asyncio.wait_for(
                     engine_client.pause_generation(mode="abort", clear_cache=False), update_timeout_s
                 )
             finally:
                 await _resume(gate, engine_client, True, update)
-            return {"interrupted_requests": requests, "total_s": time.perf_counter() - t0}
+            return {"interrupted_requests": requests, "not_yet_generating": missed, "total_s": time.perf_counter() - t0}
 
     @app.get("/mgrpo/weights_digest")
     async def weights_digest():

@@ -97,8 +97,9 @@ def http(
     body: bytes | None = None,
     timeout: float = 30,
     context=None,
+    headers: dict | None = None,
 ):
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    headers = dict(headers or {}, **({"Authorization": f"Bearer {token}"} if token is not None else {}))
     if body is not None:
         headers["Content-Type"] = "application/json"
     req = urllib.request.Request(url, data=body, method=method, headers=headers)

@@ -133,16 +133,31 @@ def test_an_interrupted_response_keeps_its_tokens_and_the_server_serves_on(singl
     """A checkpoint of a partial run interrupts the requests in flight on a remote server (POST /mgrpo/interrupt,
     vLLM's pause mode "abort"): each response ends "interrupted" with the tokens it had, each token's logprob the
     trainer's (<= 1e-4: the prefix the run continues from is sound), and the server serves on. The continuation
-    itself is a plain generate call (`RolloutManager.continue_local`, tested on the colocated engine)."""
+    itself is a plain generate call (`RolloutManager.continue_local`, tested on the colocated engine).
+
+    An interrupt sent the moment the calls are sent still ends all of them: the server waits until vLLM holds a
+    request for each call that entered it (`vllm_settings.until_engine_holds`); before that wait, a call still in
+    front of vLLM under load ran to its budget (a CI run: `[('interrupted', 70), ('interrupted', 69), ('length',
+    400), ('length', 400)]`)."""
     engine = connect(server, dirs, in_flight="keep")
     _, version = push(engine, dirs["new"])
     requests, budget = reqs(seed=5, n=1), 400
+    sp = SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True)
     run(engine, requests, SamplingParams(temperature=T, max_tokens=8))  # the first call after a push is slow
-    outs, receipt = interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
+    at_once, receipt = interrupted(engine, requests, sp, after_s=0.0)
+    lengths = [(o.finish_reason, len(o.token_ids)) for o in at_once]
+    print(f"interrupted on the server at once: {receipt}; (finish, tokens) {lengths}")
+    assert receipt["interrupted_requests"] == len(requests) and receipt["not_yet_generating"] == 0, receipt
+    assert all(o.finish_reason == "interrupted" and len(o.token_ids) < budget for o in at_once), lengths
+    outs, receipt = interrupted(engine, requests, sp)
     lengths = [(o.finish_reason, len(o.token_ids)) for o in outs]
     print(f"interrupted on the server: {receipt}; (finish, tokens) {lengths}")
     assert receipt["interrupted_requests"] == len(requests)
-    assert all(o.finish_reason == "interrupted" and 0 < len(o.token_ids) < budget for o in outs), lengths
+    assert all(o.finish_reason == "interrupted" and len(o.token_ids) < budget for o in outs), lengths
+    assert sum(len(o.token_ids) for o in outs) > 0, "some tokens came before the interrupt"
+    for bad in (b'{"expect": -1}', b'{"expect": "4"}', b"[4]", b"{"):
+        status, body = http(server.url + "/mgrpo/interrupt", "POST", body=bad, headers=engine.update_headers())
+        assert status == 400 and b"expect" in body, (bad, status, body)
     assert all(o.weight_versions == [version] * len(o.token_ids) for o in outs)
     assert worst_diff(outs, requests, dirs["new"], T) <= 1e-4
     after = run(engine, requests, SamplingParams(temperature=T, max_tokens=8))

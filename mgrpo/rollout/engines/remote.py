@@ -317,8 +317,11 @@ class RemoteEngine:
     def interrupt(self) -> dict:
         """End the requests in flight on every serving replica with their tokens so far ("interrupted"): a checkpoint
         of a partial run stores them and continues each from its prefix (`RolloutProducer.settle`)."""
-        done = [self.post(r, "/mgrpo/interrupt", {}, timeout=self.update_timeout_s) for r in self.serving()]
-        return {"interrupted_requests": sum(x["interrupted_requests"] for x in done)}
+        done = [
+            self.post(r, "/mgrpo/interrupt", {"expect": r.inflight}, timeout=self.update_timeout_s)  # sent, maybe not
+            for r in self.serving()  # arrived yet: the server waits for them (`weight_routes.interrupt`)
+        ]
+        return {key: sum(x.get(key, 0) for x in done) for key in ("interrupted_requests", "not_yet_generating")}
 
     def load_adapter(self, folder: str, version: int) -> dict:
         """LoRA adapter-only sync: PUT the PEFT folder's two files to every replica that can take it (serving/

@@ -121,6 +121,7 @@ class VLLMEngine:
         import torch
 
         self.model_dir, self.eos = model_dir, eos_token_id
+        self.requests_sent = 0  # requests of generate calls not yet answered (an interrupt waits for them to arrive)
         self.workers, self.devices = tensor_parallel_size, list(devices or [])  # each worker connects per update
         self.update_ring, self.update_checksum = update_ring, update_checksum
         self.update_timeout_s = update_timeout_s  # one weight update, end to end (the control socket's deadline)
@@ -236,9 +237,13 @@ class VLLMEngine:
             }
             for r in requests
         ]
-        out = await local_rpc.async_call(
-            self.socket, self.token, "generate", requests=payload, sampling=asdict(sampling), eos=self.eos
-        )
+        self.requests_sent += len(payload)
+        try:
+            out = await local_rpc.async_call(
+                self.socket, self.token, "generate", requests=payload, sampling=asdict(sampling), eos=self.eos
+            )
+        finally:
+            self.requests_sent -= len(payload)
         return [
             GenerationResponse(
                 o["token_ids"],
@@ -258,8 +263,9 @@ class VLLMEngine:
 
     def interrupt(self) -> dict:
         """End the requests in flight with their tokens so far ("interrupted"): a checkpoint of a partial run
-        stores them and continues each from its prefix (`vllm_child.EngineServer.interrupt`)."""
-        return self.call("interrupt", timeout=self.update_timeout_s)
+        stores them and continues each from its prefix (`vllm_child.EngineServer.interrupt`). The engine first
+        waits for the requests sent and not yet arrived (`expect`), so none of them runs on in full."""
+        return self.call("interrupt", timeout=self.update_timeout_s, expect=self.requests_sent)
 
     def sleep(self, level: int) -> dict:
         """Free the engine's device memory for the train phase (`rollout/colocate.py`)."""
