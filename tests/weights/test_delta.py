@@ -3,7 +3,9 @@ an LM loss, fp32 master, bf16 and fp32 wire dtypes) the receiver's tensors are b
 another base is refused with NeedFull and leaves the base as it was; a receiver base that differs from the
 sender's, or a delta that does not decompress, is refused with NeedFull and the receiver drops its base (the next
 push is full). Negative control: with the per-tensor digest check switched off, the differing base gives wrong
-weights (the check is what catches it)."""
+weights (the check is what catches it). A sparse delta's gaps take the narrowest width (1, 2 or 4 bytes, the few
+long ones kept aside) and apply bitwise at each; a long gap that points past the end, or marks that do not match
+the long gaps sent, are refused (negative control: the same bytes unedited apply)."""
 
 import pytest
 import torch
@@ -129,19 +131,69 @@ def test_a_delta_that_does_not_decompress_is_refused():
     assert receiver.version is None
 
 
-def test_sparse_positions_out_of_range_are_refused():
-    versions = trained_versions(torch.bfloat16, steps=3, lr=1e-5)
+def sparse_pair(positions, numel=1 << 18):
+    """(sender, receiver, (wire, section)) for one bf16 tensor changed at `positions` after a full push."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.randn(numel, generator=g).to(torch.bfloat16)
+    after = before.clone()
+    after.view(torch.int16)[torch.tensor(positions)] ^= 1  # the last bit of the mantissa: every one changes
     sender, receiver = DeltaSender(), DeltaBase()
-    push(sender, receiver, versions[0], 0, delta=False)
-    wire, section = sender.encode(versions[1], delta=True)
-    name = next(n for n, spec in section["codec"].items() if spec["codec"] == "sparse_zstd" and spec["count"])
+    push(sender, receiver, [("w", before)], 0, delta=False)
+    return after, receiver, sender.encode([("w", after)], delta=True)
+
+
+GAPS = {  # gap widths: all gaps short; a few long (kept aside as int32); too many long for 1 byte; for 2 bytes
+    "1 byte": (list(range(0, 200_000, 37)), 1, 0),
+    "1 byte + long": (list(range(0, 100_000, 37)) + [160_000, 230_000, 261_000], 1, 3),
+    "2 bytes": (list(range(0, 260_000, 300)), 2, 0),
+    "4 bytes": ([5, 70_000, 140_000, 210_000, 262_000], 4, 0),
+}
+
+
+@pytest.mark.parametrize("case", GAPS)
+def test_sparse_gaps_take_the_narrowest_width_and_apply_bitwise(case):
+    positions, width, n_long = GAPS[case]
+    after, receiver, (wire, section) = sparse_pair(positions)
+    spec = section["codec"]["w"]
+    assert (spec["codec"], spec["count"], spec["gap_bytes"], spec["long_gaps"]) == (
+        "sparse_zstd",
+        len(positions),
+        width,
+        n_long,
+    )
+    bucket = over_the_wire(wire, {"delta": section}, 1)
+    receiver.apply(bucket.manifest, bucket.tensors(), 1)
+    assert torch.equal(receiver.base["w"].view(torch.int16), after.view(torch.int16))
+
+
+def recoded(wire, edit) -> list:
+    """`wire` with the one coded tensor's raw bytes passed through `edit` and compressed again."""
     import zstandard
 
-    spec, blob = section["codec"][name], dict(wire)[name]
+    ((name, blob),) = wire
     raw = bytearray(zstandard.ZstdDecompressor().decompress(blob.numpy().tobytes(), max_output_size=1 << 30))
-    raw[0:4] = (10**9).to_bytes(4, "little")  # the first position far past the tensor's end
-    bad = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(raw))), dtype=torch.uint8)
-    wire = [(n, bad if n == name else t) for n, t in wire]
+    edit(raw)
+    return [(name, torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(raw))), dtype=torch.uint8))]
+
+
+def test_sparse_positions_out_of_range_are_refused():
+    """The last long gap (int32, at the end) pointed past the tensor's end; negative control: the same bytes
+    unedited apply."""
+    _, receiver, (wire, section) = sparse_pair(GAPS["1 byte + long"][0])
+    bad = recoded(wire, lambda raw: raw.__setitem__(slice(-4, None), (10**9).to_bytes(4, "little")))
     with pytest.raises(NeedFull, match="out of order or range"):
-        receiver.apply({"delta": section}, wire, 1)
-    assert receiver.version is None and spec["count"] > 0
+        receiver.apply({"delta": section}, bad, 1)
+    assert receiver.version is None
+
+
+def test_a_long_gap_count_that_does_not_match_the_marks_is_refused():
+    """A second gap marked long (0) while the manifest names 3 long gaps."""
+    _, receiver, (wire, section) = sparse_pair(GAPS["1 byte + long"][0])
+    with pytest.raises(NeedFull, match="4 long gaps marked, 3 sent"):
+        receiver.apply({"delta": section}, recoded(wire, lambda raw: raw.__setitem__(1, 0)), 1)
+
+
+def test_negative_control_the_unedited_sparse_delta_applies():
+    after, receiver, (wire, section) = sparse_pair(GAPS["1 byte + long"][0])
+    receiver.apply({"delta": section}, recoded(wire, lambda raw: None), 1)
+    assert torch.equal(receiver.base["w"].view(torch.int16), after.view(torch.int16))

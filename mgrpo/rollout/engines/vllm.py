@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -122,6 +123,7 @@ class VLLMEngine:
 
         self.model_dir, self.eos = model_dir, eos_token_id
         self.requests_sent = 0  # requests of generate calls not yet answered (an interrupt waits for them to arrive)
+        self.sent_lock = threading.Lock()
         self.workers, self.devices = tensor_parallel_size, list(devices or [])  # each worker connects per update
         self.update_ring, self.update_checksum = update_ring, update_checksum
         self.update_timeout_s = update_timeout_s  # one weight update, end to end (the control socket's deadline)
@@ -237,13 +239,13 @@ class VLLMEngine:
             }
             for r in requests
         ]
-        self.requests_sent += len(payload)
+        self._count_sent(len(payload))
         try:
             out = await local_rpc.async_call(
                 self.socket, self.token, "generate", requests=payload, sampling=asdict(sampling), eos=self.eos
             )
         finally:
-            self.requests_sent -= len(payload)
+            self._count_sent(-len(payload))
         return [
             GenerationResponse(
                 o["token_ids"],
@@ -260,6 +262,10 @@ class VLLMEngine:
             dict(ring=self.update_ring, checksum=self.update_checksum, update_timeout_s=self.update_timeout_s), **kwargs
         )
         return SharedMemoryTransport(self, bucket_bytes, **kwargs)
+
+    def _count_sent(self, n: int) -> None:
+        with self.sent_lock:  # schedulers call generate from their own threads and event loops
+            self.requests_sent += n
 
     def interrupt(self) -> dict:
         """End the requests in flight with their tokens so far ("interrupted"): a checkpoint of a partial run
