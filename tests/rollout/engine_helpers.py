@@ -55,6 +55,8 @@ def worst_diff(outs, requests, model_dir, temperature):
     """Largest |engine - trainer| logprob over the returned tokens of every request."""
     worst = 0.0
     for r, o in zip(requests, outs):
+        if not o.token_ids:  # interrupted before its first token
+            continue
         ours = trainer_logprobs(model_dir, r.prompt_ids, o.token_ids, temperature)
         worst = max(worst, float((ours - torch.tensor(o.logprobs)).abs().max()))
     return worst

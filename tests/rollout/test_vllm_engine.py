@@ -238,7 +238,11 @@ def test_an_interrupted_response_is_continued_from_its_prefix(single_rank, engin
     _, version = push(engine, dirs["new"])
     requests, budget = reqs(seed=5, n=1), 400
     run(engine, requests, SamplingParams(temperature=T, max_tokens=8))  # the first call after a push is slow
-    outs, receipt = interrupted(engine, requests, SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True))
+    t0 = time.perf_counter()
+    run(engine, requests, SamplingParams(temperature=T, max_tokens=8))
+    eight = time.perf_counter() - t0  # how long 8 tokens take on this machine now (load slows it)
+    sp = SamplingParams(temperature=T, max_tokens=budget, ignore_eos=True)
+    outs, receipt = interrupted(engine, requests, sp, after_s=max(0.3, eight))  # some tokens, far from 400
     assert receipt["interrupted_requests"] == len(requests)
     got_lengths = [(o.finish_reason, len(o.token_ids)) for o in outs]
     assert all(o.finish_reason == "interrupted" and 0 < len(o.token_ids) < budget for o in outs), got_lengths
