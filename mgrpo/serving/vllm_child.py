@@ -31,11 +31,11 @@ from mgrpo.serving.shm_receiver import worker_outcome
 from mgrpo.serving.vllm_settings import (
     WORKER_EXTENSION,
     cpu_scheduling,
-    engine_holds,
     hf_manifest,
     lora_engine_args,
     sleep_engine_args,
     until,
+    until_held,
 )
 from mgrpo.weights import local_rpc
 from mgrpo.weights.transports.buffers import SHM_DIR, buffer_prefix
@@ -242,9 +242,7 @@ class EngineServer:
         async with self._paused(wait_for_calls=False):
             self.interrupts_begun += 1
             try:
-                await until(lambda: engine_holds(self.llm) >= self.requests_inflight)  # and inside vLLM
-                requests = min(self.requests_inflight, engine_holds(self.llm))
-                missed = max(expect, self.requests_inflight) - requests  # still on the wire or in front of vLLM
+                requests, missed = await until_held(self.llm, lambda: self.requests_inflight, expect)
                 await self.llm.pause_generation(mode="abort", clear_cache=False)
             finally:
                 await self.llm.resume_generation()

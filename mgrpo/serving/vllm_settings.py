@@ -99,3 +99,11 @@ async def until(condition, within_s: float = ADMIT_WAIT_S) -> bool:
 def engine_holds(llm) -> int:
     """Requests vLLM's `AsyncLLM` holds (a request with n samples counts n)."""
     return llm.output_processor.get_num_unfinished_requests()
+
+
+async def until_held(llm, calls, expect: int) -> tuple:
+    """Once generation calls wait at the gate: wait until vLLM holds a request for each of the `calls()` in flight,
+    then (calls vLLM holds: the abort ends them, calls still in front of it or not yet arrived of the `expect`)."""
+    await until(lambda: engine_holds(llm) >= calls())
+    held = min(calls(), engine_holds(llm))
+    return held, max(expect, calls()) - held

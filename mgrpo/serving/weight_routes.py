@@ -27,7 +27,7 @@ import sys
 import time
 
 from mgrpo.serving.ownership import ATTEMPT_HEADER, RUN_HEADER, TAKE_OVER_HEADER, Ownership
-from mgrpo.serving.vllm_settings import engine_holds, until
+from mgrpo.serving.vllm_settings import until, until_held
 
 MAX_COMMIT_BODY = 1 << 20  # the commit's JSON: a digest per bucket
 
@@ -328,9 +328,7 @@ def add_weight_routes(
             await gate.pause(wait_for_calls=False)
             update.interrupts += 1
             try:
-                await until(lambda: engine_holds(engine_client) >= gate.generating)  # and inside vLLM
-                requests = min(gate.generating, engine_holds(engine_client))
-                missed = max(expect, gate.generating) - requests  # still on the wire or in front of vLLM
+                requests, missed = await until_held(engine_client, lambda: gate.generating, expect)
                 await asyncio.wait_for(
                     engine_client.pause_generation(mode="abort", clear_cache=False), update_timeout_s
                 )

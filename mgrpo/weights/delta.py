@@ -116,7 +116,7 @@ class DeltaSender:
         coded on `threads` threads (torch's kernels and zstd release the GIL): measured on the ~85M model's
         bf16 step, 0.17-0.19 s on one thread (docs/weight-sync.md#deltas)."""
         items = [(name, _host(t)) for name, t in items]
-        new = [name for name, t in items if not self._same(name, t)]
+        new = {name for name, t in items if not self._same(name, t)}
         if len(items) > 1 and self.threads > 1:
             from concurrent.futures import ThreadPoolExecutor
 

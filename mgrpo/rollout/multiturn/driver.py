@@ -346,7 +346,7 @@ def scheduled_share(
 def continue_scheduled(scheduler, engine, cfg, samples: list, sampling, stopping=None) -> list:
     """Interrupted trajectories (`info["resume"]`) run again from their start, every recorded turn answered from
     the record (the module's docstring); finished ones come back as they are. Samples in the same order."""
-    todo = [s for s in samples if s.finish_reason == "interrupted" and "resume" in s.info]
+    todo = [s for s in samples if _resumable(s)]
     infer = [{k: s.info["resume"][k] for k in ("messages", "columns", "uuid", "seed")} for s in todo]
     replay = {s.info["resume"]["uuid"]: s.info["resume"]["turns"] for s in todo}
     done = _run_scheduled(
@@ -364,7 +364,12 @@ def continue_scheduled(scheduler, engine, cfg, samples: list, sampling, stopping
         if d.finish_reason != "interrupted":
             d.info["continued_from"] = sum(len(t["token_ids"]) for t in s.info["resume"]["turns"])
     continued = iter(done)
-    return [next(continued) if s.finish_reason == "interrupted" and "resume" in s.info else s for s in samples]
+    return [next(continued) if _resumable(s) else s for s in samples]
+
+
+def _resumable(sample) -> bool:
+    """An interrupted trajectory that kept its turns (`info["resume"]`): `continue_scheduled` continues it."""
+    return sample.finish_reason == "interrupted" and "resume" in sample.info
 
 
 def _run_scheduled(
