@@ -47,8 +47,11 @@ def test_the_readme_main_job_learns(tmp_path):
     assert m, last
     first, final = float(m.group(1)), float(m.group(2))
     assert first < 0.2 and final > 0.9, last  # README: first5=0.0654 last5=0.9964
-    assert f"`reward/mean first5={first:.4f} last5={final:.4f}`" in open(README).read(), (
-        "the README's figure no longer matches the main job's own last line: update README.md"
+    # the README's figure, to the rounding another CPU's kernels give (AVX-512 machines here gave last5 0.9964
+    # and 0.9970 from the same code: a few sampled tokens differ); learning that changed moves it further
+    shown = re.search(r"`reward/mean first5=([\d.]+) last5=([\d.]+)`", open(README).read())
+    assert shown and abs(first - float(shown[1])) <= 0.005 and abs(final - float(shown[2])) <= 0.005, (
+        f"the README's figure ({shown and shown[0]}) no longer matches the main job's own last line: update README.md"
     )
 
 
