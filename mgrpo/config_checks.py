@@ -5,6 +5,14 @@ from __future__ import annotations
 import difflib
 import os
 
+from mgrpo.config_mode_checks import (
+    async_problems,
+    colocate_problems,
+    fast_path_problems,
+    lora_problems,
+    packing_problems,
+)
+
 
 def must(name: str, value, ok: bool, rule: str, fix: str = "") -> list:
     """[] when `ok`, else the one message for this field: "NAME=VALUE must be RULE; FIX"."""
@@ -411,14 +419,6 @@ def check_length_rewards(cfg) -> list:
 def validate_config(cfg) -> list[str]:
     """Every check that needs no model and no process group (config.load_config runs it; layout_checks.py has
     those against the model; config_mode_checks.py those of the modes that span sections)."""
-    from mgrpo.config_mode_checks import (  # they use `must` from here
-        async_problems,
-        colocate_problems,
-        fast_path_problems,
-        lora_problems,
-        packing_problems,
-    )
-
     e = fast_path_problems(cfg)
     p, r, a, t = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.train
     for name in ("tp", "pp", "cp", "ep"):

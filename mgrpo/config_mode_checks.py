@@ -59,7 +59,6 @@ def partial_problems(cfg) -> list:
 
 def lora_problems(cfg) -> list:
     """model.lora and rollout.lora_sync: values only (lora_layout_problems checks them against the model)."""
-    from mgrpo.config_checks import must
     from mgrpo.models.lora import ALL_LINEAR, lora_targets
 
     lo, e = cfg.model.lora, []
@@ -69,8 +68,10 @@ def lora_problems(cfg) -> list:
         return e + [f"model.lora.rank={lo.rank!r} must be an integer >= 0 (0 = full-parameter training)"]
     if lo.rank == 0:
         return e
-    e += must("model.lora.alpha", lo.alpha, lo.alpha > 0, "> 0", "scaling is alpha / rank, e.g. 2 x rank")
-    e += must("model.lora.dropout", lo.dropout, 0 <= lo.dropout < 1, "in [0, 1)")
+    if not lo.alpha > 0:
+        e.append(f"model.lora.alpha={lo.alpha!r} must be > 0; scaling is alpha / rank, e.g. 2 x rank")
+    if not 0 <= lo.dropout < 1:
+        e.append(f"model.lora.dropout={lo.dropout!r} must be in [0, 1)")
     try:
         lora_targets(lo)
     except ValueError as err:
