@@ -197,3 +197,31 @@ def test_negative_control_the_unedited_sparse_delta_applies():
     after, receiver, (wire, section) = sparse_pair(GAPS["1 byte + long"][0])
     receiver.apply({"delta": section}, recoded(wire, lambda raw: None), 1)
     assert torch.equal(receiver.base["w"].view(torch.int16), after.view(torch.int16))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_tensor_is_scanned_in_chunks_without_missing_a_change_at_their_edges(monkeypatch, threads):
+    """`DeltaSender._changed` scans a tensor over two CHUNKs a chunk at a time (numpy, on `threads` threads): the
+    changes on each side of every chunk edge are found, in order, as torch's own `nonzero` finds them."""
+    monkeypatch.setattr(delta_mod, "CHUNK", 1000)
+    positions = [0, 1, 998, 999, 1000, 1001, 1999, 2000, 4321, 4999, 5000, 6999]
+    after, receiver, (wire, section) = sparse_pair(positions, numel=7000)
+    before = receiver.base["w"].clone()
+    sender = DeltaSender(threads=threads)
+    got = sender._changed(after.view(torch.int16).numpy(), before.view(torch.int16).numpy())
+    assert got.tolist() == torch.ne(after.view(torch.int16), before.view(torch.int16)).nonzero().view(-1).tolist()
+    assert got.tolist() == positions
+    bucket = over_the_wire(wire, {"delta": section}, 1)
+    receiver.apply(bucket.manifest, bucket.tensors(), 1)
+    assert torch.equal(receiver.base["w"].view(torch.int16), after.view(torch.int16))
+
+
+def test_negative_control_a_scan_that_misses_a_chunk_edge_is_caught_by_the_digest(monkeypatch):
+    """A scan that drops the last change of each chunk sends a delta the receiver's digest check refuses."""
+    monkeypatch.setattr(delta_mod, "CHUNK", 1000)
+    real = delta_mod.np.flatnonzero
+    monkeypatch.setattr(delta_mod.np, "flatnonzero", lambda mask: real(mask)[:-1])
+    after, receiver, (wire, section) = sparse_pair([5, 999, 1000, 2500, 3999], numel=4000)
+    bucket = over_the_wire(wire, {"delta": section}, 1)
+    with pytest.raises(NeedFull, match="digest"):
+        receiver.apply(bucket.manifest, bucket.tensors(), 1)
