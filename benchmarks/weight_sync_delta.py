@@ -29,29 +29,43 @@ LINKS = {"loopback": None, "1 Gb/s (emulated)": 0.125e9}
 
 
 class Paced:
-    """Paces http.client's sends to `rate` bytes/s while active (the emulated link)."""
+    """The emulated link: http.client's sends while active go through a FIFO link of `rate` bytes/s with a send
+    buffer of BUFFER bytes. Each send joins the queue when it is handed over, and the link carries the queue back
+    to back; the sender waits only while more than BUFFER bytes are queued; a response is read only once
+    everything sent has crossed (the server cannot answer bytes it has not had). So time the sender spends
+    before a send, coding the next bucket, is not bandwidth: before 2026-12-08 the pacing counted from the push's
+    start, which gave a delta's few MB their wire time free during the encode."""
+
+    BUFFER = 4 << 20  # Linux's default largest TCP send buffer (net.ipv4.tcp_wmem)
 
     def __init__(self, rate: float | None):
-        self.rate, self.original = rate, http.client.HTTPConnection.send
+        self.rate = rate
+        self.originals = http.client.HTTPConnection.send, http.client.HTTPConnection.getresponse
 
     def __enter__(self):
         if self.rate:
-            start, sent, original, rate = time.perf_counter(), [0], self.original, self.rate
+            free_at, (send_, getresponse_), rate = [0.0], self.originals, self.rate
+
+            def wait_until(t):
+                if t > time.perf_counter():
+                    time.sleep(t - time.perf_counter())
 
             def send(conn, data):
                 n = len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
-                out = original(conn, data)
-                sent[0] += n
-                ahead = sent[0] / rate - (time.perf_counter() - start)
-                if ahead > 0:
-                    time.sleep(ahead)
+                free_at[0] = max(free_at[0], time.perf_counter()) + n / rate  # queued now, crossed then
+                out = send_(conn, data)
+                wait_until(free_at[0] - self.BUFFER / rate)
                 return out
 
-            http.client.HTTPConnection.send = send
+            def getresponse(conn):
+                wait_until(free_at[0])
+                return getresponse_(conn)
+
+            http.client.HTTPConnection.send, http.client.HTTPConnection.getresponse = send, getresponse
         return self
 
     def __exit__(self, *exc):
-        http.client.HTTPConnection.send = self.original
+        http.client.HTTPConnection.send, http.client.HTTPConnection.getresponse = self.originals
 
 
 def training_batches(model_dir: str, n: int = 8, length: int = 64):
