@@ -210,14 +210,27 @@ class CollectiveTransport(PerStageSync):
         pool.shutdown(wait=False)
         return reports, receipts, need_full
 
-    def _coded(self, source, delta: bool):
+    def _coded(self, source, delta: bool, group_bytes: int = 32 << 20):
         """(name, wire tensor) of this stage's tensors, each replacing its base; with `delta`, the tensors that
-        shrink go XOR-coded and their codec entries wait in `self.codecs` for their bucket's manifest."""
+        shrink go XOR-coded and their codec entries wait in `self.codecs` for their bucket's manifest. Tensors
+        are coded `group_bytes` at a time, side by side on the sender's threads (`DeltaSender.encode`)."""
+        group, size = [], 0
         for name, t in source:
-            wire, section = self.delta.encode([(name, t)], delta=delta)
+            group.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= group_bytes:
+                yield from self._code_group(group, delta)
+                group, size = [], 0
+        yield from self._code_group(group, delta)
+
+    def _code_group(self, group: list, delta: bool):
+        if not group:
+            return
+        wire, section = self.delta.encode(group, delta=delta)
+        for name, _ in group:
             if section and name in section["codec"]:
                 self.codecs[name] = section["codec"][name]
-            yield wire[0]
+        yield from wire
 
     def _forget_base(self) -> None:
         self.base_version = None
