@@ -197,7 +197,8 @@ def _stage_stream(model_chunks: list, bucket_bytes: int):
 
 def stage_tensors(model_chunks: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """This PP stage's weights as (hf_name, full tensor), one parameter's at a time, on the stage's (DP0, TP0, CP0)
-    rank only (each valid until the next is asked for); the stage's other TP ranks of DP0/CP0 send it their shards
+    rank only (each fresh memory or a live parameter, which no push changes: a consumer may hold several, as
+    `CollectiveTransport._coded` does); the stage's other TP ranks of DP0/CP0 send it their shards
     (dense weights; with experts they, and the exporter's EP peers, take part in gathers of about `bucket_bytes`);
     every other rank returns."""
     yield from _stage_stream(model_chunks, bucket_bytes)

@@ -213,7 +213,8 @@ class CollectiveTransport(PerStageSync):
     def _coded(self, source, delta: bool, group_bytes: int = 32 << 20):
         """(name, wire tensor) of this stage's tensors, each replacing its base; with `delta`, the tensors that
         shrink go XOR-coded and their codec entries wait in `self.codecs` for their bucket's manifest. Tensors
-        are coded `group_bytes` at a time, side by side on the sender's threads (`DeltaSender.encode`)."""
+        are coded `group_bytes` at a time, side by side on the sender's threads (`DeltaSender.encode`): the stage
+        stream's tensors stay valid while later ones are asked for (`export.stage_tensors`)."""
         group, size = [], 0
         for name, t in source:
             group.append((name, t))
