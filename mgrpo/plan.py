@@ -76,9 +76,9 @@ INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_metho
 
 
 def _no_init(tensor):
-    """The plan's init method: a meta tensor has no values to draw, and drawing them through megatron's CPU
-    initialization (a normal_ per weight and expert, each through torch's function modes) was half of a plan's
-    time (qwen3-30b-a3b and -235b-a22b layouts: 16 of 31 s)."""
+    """The plan's init method: a meta tensor has no values to draw. Drawing them anyway, through megatron's CPU
+    initialization (a normal_ per weight and expert, each through torch's function modes), took a quarter of the
+    plan test's builds (13 layouts up to qwen3-235b-a22b: 16.6 s with it, 12.1 s without, the same counts)."""
     return tensor
 
 
