@@ -31,6 +31,8 @@ compressed bytes as a 1-D uint8 tensor. JSON and safetensors only, never pickle.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import warnings
 
 import numpy as np
@@ -63,8 +65,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_INT[t.element_size()])
 
 
-GAP_WIDTHS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32}  # `gap_bytes`: how a sparse delta's gaps are stored
-NP_GAP_WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.int32}
+GAP_WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.int32}  # `gap_bytes`: how a sparse delta's gaps are stored
+
+
+def default_threads() -> int:
+    return min(os.cpu_count() or 1, 8)
+
+
+def threaded_map(fn, items, threads: int) -> list:
+    """[fn(x) for x in items], on up to `threads` threads (numpy's kernels, zstd and xxhash release the GIL), in
+    order; a failure is raised once every thread has stopped."""
+    items = list(items)
+    if threads < 2 or len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 def narrow_gaps(gaps: np.ndarray) -> tuple:
@@ -78,7 +95,7 @@ def narrow_gaps(gaps: np.ndarray) -> tuple:
         long = gaps > (1 << 8 * width) - 1
         n_long = int(np.count_nonzero(long))
         if n_long <= count // 8:
-            return np.where(long, 0, gaps).astype(NP_GAP_WIDTHS[width]), gaps[long].astype(np.int32), width
+            return np.where(long, 0, gaps).astype(GAP_WIDTHS[width]), gaps[long].astype(np.int32), width
     return gaps.astype(np.int32), np.empty(0, np.int32), 4
 
 
@@ -95,11 +112,8 @@ class DeltaSender:
     `forget()` drops it all (the next push is full)."""
 
     def __init__(self, level: int = 1, max_fraction: float = 0.9, threads: int | None = None):
-        import os
-        import threading
-
         self.level, self.local = level, threading.local()  # a zstd compressor per thread: one is not shareable
-        self.threads = threads or min(os.cpu_count() or 1, 8)  # tensors are coded side by side (`encode`)
+        self.threads = threads or default_threads()  # tensors are coded side by side (`encode`)
         self.max_fraction = max_fraction  # a coded tensor must be at most this fraction of its dense bytes
         self.base: dict[str, torch.Tensor] = {}
         self.version: int | None = None  # the version `base` holds and the receivers confirmed
@@ -120,13 +134,7 @@ class DeltaSender:
         OpenMP pools the threads share (docs/weight-sync.md#deltas)."""
         items = [(name, _host(t)) for name, t in items]
         new = {name for name, t in items if not self._same(name, t)}
-        if len(items) > 1 and self.threads > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(self.threads, len(items))) as pool:
-                coded = list(pool.map(lambda item: self._encode_one(*item, delta), items))
-        else:
-            coded = [self._encode_one(name, t, delta) for name, t in items]
+        coded = threaded_map(lambda item: self._encode_one(*item, delta), items, self.threads)
         wire, codec = [], {}
         for (name, t), (blob, spec, changed) in zip(items, coded):
             n = t.numel() * t.element_size()
@@ -199,13 +207,7 @@ class DeltaSender:
         def part(start):
             return np.flatnonzero(a[start : start + CHUNK] != b[start : start + CHUNK]) + start
 
-        starts = range(0, a.size, CHUNK)
-        if self.threads < 2:
-            return np.concatenate([part(start) for start in starts])
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(self.threads) as pool:
-            return np.concatenate(list(pool.map(part, starts)))
+        return np.concatenate(threaded_map(part, range(0, a.size, CHUNK), self.threads))
 
     def _compressor(self):
         """zstd at `level`, one per thread (`sparse_zstd`: the gaps between changed positions (`narrow_gaps`) then
@@ -242,11 +244,8 @@ class DeltaBase:
     words at 4% changed: 0.10 s on one thread)."""
 
     def __init__(self, threads: int | None = None):
-        import os
-        import threading
-
         self.local = threading.local()  # a zstd decompressor per thread: one is not shareable
-        self.threads = threads or min(os.cpu_count() or 1, 8)
+        self.threads = threads or default_threads()
         self.base: dict[str, torch.Tensor] = {}
         self.version: int | None = None
 
@@ -276,16 +275,8 @@ class DeltaBase:
             else:
                 old.copy_(t)
 
-        tensors = list(tensors)
         try:
-            if len(tensors) > 1 and self.threads > 1:
-                from concurrent.futures import ThreadPoolExecutor
-
-                with ThreadPoolExecutor(min(self.threads, len(tensors))) as pool:
-                    list(pool.map(one, tensors))  # the first failure, once all have stopped
-            else:
-                for item in tensors:
-                    one(item)
+            threaded_map(one, tensors, self.threads)
         except NeedFull:
             self.forget()  # part of it may be applied: nothing of this base is used again
             raise
@@ -313,7 +304,7 @@ class DeltaBase:
         if kind == "xor_zstd":
             flat ^= np.frombuffer(raw, dtype=flat.dtype)
         elif count:
-            gaps = np.frombuffer(raw, dtype=NP_GAP_WIDTHS[width], count=count).astype(np.int64)
+            gaps = np.frombuffer(raw, dtype=GAP_WIDTHS[width], count=count).astype(np.int64)
             words = np.frombuffer(raw, dtype=flat.dtype, offset=width * count, count=count)
             if n_long:  # the gaps too long for the width: stored as 0, then in order after the words
                 zero = np.flatnonzero(gaps == 0)
